@@ -1,0 +1,194 @@
+# g4v69: Gemma 4 E2B -> QNN context binaries for Hexagon v69 (Snapdragon 8 Gen 1) -> Genie bundle.
+# `make help` lists the targets. Config values come from the preset (stages/presets/$(PRESET).toml);
+# a variable left empty here means "the preset's value".
+
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+MAKEFLAGS += --no-builtin-rules
+
+# ---- pipeline config overrides (empty: take the preset's value) ----
+PRESET        ?= default
+MODEL         ?=
+MODEL_REVISION ?=
+SOC           ?=
+PRECISION     ?=
+MAX_CONTEXT   ?=
+PREFILL_AR    ?=
+DECODE_AR     ?=
+NUM_SHARDS    ?=
+COMPILER      ?=
+PROMPT        ?= What is the capital of France?
+
+# ---- how and where things run ----
+RUNNER        ?= docker
+WORKDIR       ?= .
+BASE_IMAGE    ?= python:3.11-slim-bookworm
+WHEELHOUSE    ?= $(HOME)/.cache/g4v69/wheelhouse
+VENV          ?= .venv
+PYTHON        ?= python3
+PYTEST_ARGS   ?=
+# Where pip finds torch's CPU build: the PyTorch CPU index, or a local folder holding the wheel.
+TORCH_SOURCE  ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl),--find-links /opt/wheels,--extra-index-url https://download.pytorch.org/whl/cpu)
+
+IMAGES        := export quant quant-rocm compile tools
+# The debootstrap base: BASE_IMAGE=debootstrap selects it; its tag follows its build script.
+DEBOOTSTRAP_BASE := g4v69-base:bookworm-$(shell sha256sum docker/base/build-base.sh | cut -c1-12)
+ifeq ($(BASE_IMAGE),debootstrap)
+  BASE_REF := $(DEBOOTSTRAP_BASE)
+  BASE_DEP := base-image
+else
+  BASE_REF := $(BASE_IMAGE)
+  BASE_DEP :=
+endif
+
+ifeq ($(RUNNER),docker)
+else ifeq ($(RUNNER),local)
+else
+  $(error RUNNER=$(RUNNER) is not allowed; allowed values: docker, local)
+endif
+
+opt = $(if $(strip $(2)),--$(1) '$(strip $(2))')
+CONFIG_ARGS = --preset '$(PRESET)' --workdir '$(WORKDIR)' $(call opt,model,$(MODEL)) \
+  $(call opt,model-revision,$(MODEL_REVISION)) $(call opt,soc,$(SOC)) \
+  $(call opt,precision,$(PRECISION)) $(call opt,max-context,$(MAX_CONTEXT)) \
+  $(call opt,prefill-ar,$(PREFILL_AR)) $(call opt,decode-ar,$(DECODE_AR)) \
+  $(call opt,num-shards,$(NUM_SHARDS)) $(call opt,compiler,$(COMPILER))
+
+image_tag = $(shell docker/image-tag.sh $(1) '$(BASE_REF)')
+ABS_WORKDIR = $(abspath $(WORKDIR))
+# The work tree (and WORKDIR, when it lies outside it) mounted at the same paths as on the host;
+# the calling user's UID; no privileges; secrets only as runtime environment, by name (docker
+# reads their values from this environment, so they never appear on a command line or in a log).
+DOCKER_RUN = docker run --rm -i --user $$(id -u):$$(id -g) --cap-drop ALL \
+  --security-opt no-new-privileges -v '$(CURDIR):$(CURDIR)' -w '$(CURDIR)' \
+  $(if $(filter $(CURDIR)/%,$(ABS_WORKDIR)/),,-v '$(ABS_WORKDIR):$(ABS_WORKDIR)') \
+  -e PYTHONPATH='$(CURDIR)' -e HF_TOKEN -e QAI_HUB_API_TOKEN -e QNN_SDK_ROOT -e ADB_SERIAL
+
+# $(call g4v69,IMAGE): the command line that runs g4v69 for a stage, in its image or in the venv.
+ifeq ($(RUNNER),docker)
+  g4v69 = $(DOCKER_RUN) $(call image_tag,$(1)) g4v69 $(CONFIG_ARGS)
+  RUNNER_DEP = image-$(1)
+else
+  g4v69 = '$(VENV)/bin/g4v69' $(CONFIG_ARGS)
+  RUNNER_DEP = $(VENV)/.installed
+endif
+
+# ---- stage outputs: each stage's report.json is its "done" file ----
+STAMP_DIR       = $(WORKDIR)/.g4v69
+# Computed on the host (stdlib-only module) because rule targets are expanded when make starts.
+CHECKPOINT_NAME := $(shell $(PYTHON) -m stages.config '$(PRESET)' '$(MODEL)')
+CHECKPOINT_DIR  = $(WORKDIR)/checkpoints/$(CHECKPOINT_NAME)
+DOWNLOAD_REPORT = $(CHECKPOINT_DIR)/report.json
+EXPORT_REPORT   = $(WORKDIR)/exported/report.json
+QUANTIZE_REPORT = $(WORKDIR)/quantized/report.json
+COMPILE_REPORT  = $(WORKDIR)/compiled/report.json
+BUNDLE_REPORT   = $(WORKDIR)/genie_bundle/report.json
+VERIFY_REPORT   = $(WORKDIR)/verify/report.json
+
+.PHONY: help images wheelhouse base-image lock download export quantize compile bundle verify \
+  push run demo plan doctor image-tag test test-unit test-container lint clean venv g4v69 FORCE \
+  $(addprefix image-,$(IMAGES))
+
+help: ## list the targets and variables
+	@echo "Targets:"
+	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | \
+	  awk -F':.*## ' '{ printf "  %-12s %s\n", $$1, $$2 }'
+	@echo
+	@echo "Variables (empty = the preset's value; see stages/presets/$(PRESET).toml):"
+	@echo "  PRESET=$(PRESET) MODEL MODEL_REVISION SOC PRECISION MAX_CONTEXT PREFILL_AR DECODE_AR"
+	@echo "  NUM_SHARDS COMPILER=local|aihub PROMPT RUNNER=docker|local WORKDIR=$(WORKDIR)"
+	@echo "  BASE_IMAGE=$(BASE_IMAGE) (or 'debootstrap') WHEELHOUSE=$(WHEELHOUSE)"
+
+# ---- pipeline ----
+# A stage reruns when its input report or its own config fields changed (the stamp file is
+# rewritten only when its content changes, and make re-reads its time after the recipe).
+$(STAMP_DIR)/%.json: FORCE | $(call RUNNER_DEP,tools)
+	@$(call g4v69,tools) stamp $* --output '$@'
+
+$(DOWNLOAD_REPORT): $(STAMP_DIR)/download.json | $(call RUNNER_DEP,export)
+	$(call g4v69,export) download
+$(EXPORT_REPORT): $(DOWNLOAD_REPORT) $(STAMP_DIR)/export.json | $(call RUNNER_DEP,export)
+	$(call g4v69,export) export
+$(QUANTIZE_REPORT): $(EXPORT_REPORT) $(STAMP_DIR)/quantize.json | $(call RUNNER_DEP,quant)
+	$(call g4v69,quant) quantize
+$(COMPILE_REPORT): $(QUANTIZE_REPORT) $(STAMP_DIR)/compile.json | $(call RUNNER_DEP,compile)
+	$(call g4v69,compile) compile
+$(BUNDLE_REPORT): $(COMPILE_REPORT) $(STAMP_DIR)/bundle.json | $(call RUNNER_DEP,tools)
+	$(call g4v69,tools) bundle
+$(VERIFY_REPORT): $(BUNDLE_REPORT) $(STAMP_DIR)/verify.json | $(call RUNNER_DEP,export)
+	$(call g4v69,export) verify
+
+download: $(DOWNLOAD_REPORT) ## fetch the checkpoint (or make the built-in tiny model) into checkpoints/
+export: $(EXPORT_REPORT) ## static-shape sharded ONNX graphs + LUTs into exported/
+quantize: $(QUANTIZE_REPORT) ## w8a16 QDQ graphs (8-bit KV on v69) into quantized/
+compile: $(COMPILE_REPORT) ## QNN context binaries into compiled/ (COMPILER=local|aihub)
+bundle: $(BUNDLE_REPORT) ## the Genie bundle into genie_bundle/
+verify: $(VERIFY_REPORT) ## check the bundle on the host against transformers into verify/
+push: $(BUNDLE_REPORT) | $(call RUNNER_DEP,tools) ## adb-push the bundle and QAIRT runtime to the phone
+	$(call g4v69,tools) push
+run: | $(call RUNNER_DEP,tools) ## run PROMPT on the phone with genie-t2t-run
+	$(call g4v69,tools) run
+demo: ## the built-in tiny model through every stage to a verified bundle
+	$(MAKE) verify PRESET=tiny
+
+plan: | $(call RUNNER_DEP,tools) ## print the memory/size/throughput plan of the config
+	@$(call g4v69,tools) plan
+doctor: | $(call RUNNER_DEP,tools) ## check the environment (packages, docker, disk, tokens, SDK)
+	@$(call g4v69,tools) doctor
+IMAGE ?= tools
+ARGS  ?= --help
+g4v69: | $(call RUNNER_DEP,$(IMAGE)) ## run any g4v69 command: make g4v69 IMAGE=export ARGS='plan --json'
+	@$(call g4v69,$(IMAGE)) $(ARGS)
+
+print-%: ## print a make variable (for scripts): make -s print-BASE_REF
+	@echo '$($*)'
+
+image-tag: ## print the tag of IMAGE's image (for scripts): make -s image-tag IMAGE=export
+	@docker/image-tag.sh '$(IMAGE)' '$(BASE_REF)'
+
+# ---- images, wheelhouse, venv ----
+base-image: ## build the Debian base image with debootstrap (for hosts without a registry)
+	docker/base/build-base.sh '$(DEBOOTSTRAP_BASE)'
+
+lock: ## regenerate docker/*/requirements.lock with uv (needs network)
+	$(if $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl),TORCH_FIND_LINKS=/opt/wheels) docker/lock.sh
+
+wheelhouse: $(BASE_DEP) ## download every locked wheel (and the tools image's .debs) into WHEELHOUSE
+	$(PYTHON) docker/wheelhouse.py fill '$(WHEELHOUSE)' $(foreach i,local $(IMAGES),docker/$(i)/requirements.lock) -- $(TORCH_SOURCE)
+	docker/fill-debs.sh tools '$(BASE_REF)' '$(WHEELHOUSE)'
+
+images: $(addprefix image-,$(IMAGES)) ## build every stage image offline from the wheelhouse
+
+$(addprefix image-,$(IMAGES)): image-%: $(BASE_DEP)
+	@if ! docker image inspect "$$(docker/image-tag.sh $* '$(BASE_REF)')" >/dev/null 2>&1; then \
+	  $(MAKE) --no-print-directory wheelhouse; fi
+	docker/build-image.sh $* '$(BASE_REF)' '$(WHEELHOUSE)'
+
+venv: $(VENV)/.installed ## make .venv for RUNNER=local, offline from the wheelhouse
+$(VENV)/.installed: docker/local/requirements.lock pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else \
+	  "error: the locks are for CPython 3.11; set PYTHON=python3.11 (found %s)" % sys.version.split()[0])'
+	$(PYTHON) docker/wheelhouse.py fill '$(WHEELHOUSE)' docker/local/requirements.lock -- $(TORCH_SOURCE)
+	rm -rf '$(VENV)'
+	$(PYTHON) -m venv '$(VENV)'
+	PIP_NO_INDEX=1 PIP_FIND_LINKS='$(WHEELHOUSE)/pool' PIP_CONSTRAINT= '$(VENV)/bin/pip' install -q \
+	  --disable-pip-version-check --no-deps --require-hashes -r docker/local/requirements.lock
+	PIP_NO_INDEX=1 PIP_CONSTRAINT= '$(VENV)/bin/pip' install -q --disable-pip-version-check --no-deps \
+	  --no-build-isolation -e .
+	touch '$@'
+
+# ---- tests ----
+test: $(VENV)/.installed ## run the unit tests and the container tier (needs Docker; see README)
+	'$(VENV)/bin/python' -m pytest $(PYTEST_ARGS)
+test-unit: $(VENV)/.installed ## run only the fast unit tests
+	'$(VENV)/bin/python' -m pytest -m 'not container' $(PYTEST_ARGS)
+lint: $(VENV)/.installed ## ruff over the package and tests
+	'$(VENV)/bin/ruff' check stages tests docker
+
+clean: ## remove stage outputs under WORKDIR (not checkpoints, images or the wheelhouse)
+	rm -rf '$(WORKDIR)/exported' '$(WORKDIR)/quantized' '$(WORKDIR)/compiled' '$(WORKDIR)/verify' \
+	  '$(STAMP_DIR)'
+	find '$(WORKDIR)/genie_bundle' -mindepth 1 ! -name README.md -exec rm -rf {} + 2>/dev/null || true
+
+FORCE:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Builds one stage image offline from the wheelhouse, or reuses it when its tag already exists.
+#   usage: build-image.sh NAME BASE_IMAGE WHEELHOUSE
+# The build context is a temporary folder holding the Dockerfile, the lock, exactly the lock's
+# wheels (hard links into the wheelhouse) and, for images with apt-packages.txt, the Debian
+# packages downloaded by `make wheelhouse` for that base image. No secret is passed to the build.
+set -euo pipefail
+name=${1:?usage: build-image.sh NAME BASE_IMAGE WHEELHOUSE}
+base=${2:?}
+wheelhouse=${3:?}
+here=$(cd "$(dirname "$0")" && pwd)
+tag=$("$here/image-tag.sh" "$name" "$base")
+if docker image inspect "$tag" >/dev/null 2>&1; then
+  echo "image $tag: up to date (tag derives from its lock), reused"
+  exit 0
+fi
+ctx=$(mktemp -d "${TMPDIR:-/tmp}/g4v69-ctx-$name.XXXXXX")
+trap 'rm -rf "$ctx"' EXIT
+cp "$here/stage.Dockerfile" "$ctx/Dockerfile"
+cp "$here/$name/requirements.lock" "$ctx/requirements.lock"
+python3 "$here/wheelhouse.py" context "$wheelhouse" "$here/$name/requirements.lock" "$ctx"
+mkdir "$ctx/debs"
+if [ -f "$here/$name/apt-packages.txt" ]; then
+  debs="$wheelhouse/debs/$("$here/debs-key.sh" "$name" "$base")"
+  [ -f "$debs/.complete" ] || { echo "error: no Debian packages for $name on $base in $debs; run \`make wheelhouse\` first" >&2; exit 1; }
+  cp "$debs"/*.deb "$ctx/debs/" 2>/dev/null || true
+fi
+lock_sha=$(sha256sum "$here/$name/requirements.lock" | cut -d' ' -f1)
+echo "image $tag: building from $base, $(ls "$ctx/wheels" | wc -l) wheels, $(ls "$ctx/debs" | wc -l) debs, no network"
+start=$(date +%s)
+# --network none: the build must not need the network; a missing wheel fails here, not silently.
+docker build --network none --pull=false --force-rm \
+  --build-arg BASE_IMAGE="$base" --build-arg IMAGE_NAME="$name" --build-arg LOCK_SHA256="$lock_sha" \
+  -t "$tag" "$ctx"
+# The venv stage is only a means to keep the wheels out of the final layers.
+docker image prune -f --filter label=org.g4v69.build-stage=venv >/dev/null
+echo "image $tag: built in $(( $(date +%s) - start )) s"

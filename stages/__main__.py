@@ -1,0 +1,3 @@
+from stages.cli import main
+
+main()

@@ -1,0 +1,215 @@
+"""The `g4v69` command: one subcommand per stage, plus `plan`, `config` and `doctor`.
+
+Config options live on the group, so every subcommand sees the same resolved PipelineConfig:
+    g4v69 --soc SM8550 --num-shards 2 plan --json
+Make variables become these options; G4V69_<FIELD> environment variables work too.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import click
+
+from stages import __version__
+from stages.config import (
+    DEFAULT_PRESET,
+    FIELD_NAMES,
+    STAGES,
+    ConfigError,
+    PipelineConfig,
+    field_doc,
+    load_config,
+    stage_fields,
+)
+from stages.geometry import GeometryError, builtin_geometry, load_geometry
+from stages.graphs import PartitionError
+from stages.report import write_json_atomic
+
+STAGE_DIRS = {
+    "download": "checkpoints",
+    "export": "exported",
+    "quantize": "quantized",
+    "compile": "compiled",
+    "bundle": "genie_bundle",
+    "verify": "verify",
+}
+
+
+class UserError(click.ClickException):
+    """A problem the user can fix: printed as one line, exit status 2, nothing written."""
+
+    exit_code = 2
+
+
+@dataclass
+class Context:
+    config: PipelineConfig
+    workdir: Path
+
+    def checkpoint_dir(self) -> Path:
+        return self.workdir / STAGE_DIRS["download"] / self.config.checkpoint_name
+
+
+def _config_options(func):
+    """One --option per config field, generated from the dataclass so the two cannot drift."""
+    for f in reversed(fields(PipelineConfig)):
+        opt = "--" + f.name.replace("_", "-")
+        func = click.option(opt, f.name, default=None, help=field_doc(f.name))(func)
+    return func
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "G4V69"})
+@click.version_option(__version__, prog_name="g4v69")
+@click.option(
+    "--preset",
+    default=DEFAULT_PRESET,
+    show_default=True,
+    help="preset name in stages/presets/ or a path to a TOML file",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("."),
+    show_default=True,
+    help="root of the stage outputs (checkpoints/, exported/, ...)",
+)
+@_config_options
+@click.pass_context
+def main(ctx: click.Context, preset: str, workdir: Path, **overrides: str | None) -> None:
+    """Gemma 4 E2B -> QNN context binaries for Hexagon v69 -> Genie bundle."""
+    if ctx.resilient_parsing:
+        return
+    try:
+        cfg = load_config(preset, overrides)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+    ctx.obj = Context(config=cfg, workdir=workdir)
+
+
+def _not_implemented(stage: str, issue: int):
+    def command() -> None:
+        click.echo(
+            f"g4v69 {stage}: not implemented yet (tracked in issue {issue}); nothing was written",
+            err=True,
+        )
+        sys.exit(3)
+
+    command.__doc__ = f"The {stage} stage (not implemented yet)."
+    return command
+
+
+for _stage, _issue in (
+    ("download", 3),
+    ("export", 3),
+    ("quantize", 4),
+    ("compile", 5),
+    ("bundle", 6),
+    ("verify", 6),
+    ("push", 6),
+    ("run", 6),
+):
+    main.command(name=_stage)(_not_implemented(_stage, _issue))
+
+
+DERIVED_VALUES = ("checkpoint_name", "kv_cache_bits")
+
+
+@main.command(name="config")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of key = value lines")
+@click.option(
+    "--get",
+    "get",
+    type=click.Choice([*FIELD_NAMES, *DERIVED_VALUES]),
+    help="print one value only (for scripts and the Makefile)",
+)
+@click.pass_obj
+def show_config(obj: Context, as_json: bool, get: str | None) -> None:
+    """Print the resolved pipeline config (preset + overrides)."""
+    if get:
+        click.echo(getattr(obj.config, get))
+        return
+    d = obj.config.to_dict()
+    if as_json:
+        click.echo(json.dumps(d, indent=2))
+    else:
+        for k, v in d.items():
+            click.echo(f"{k} = {v!r}")
+
+
+@main.command()
+@click.argument("stage", type=click.Choice(STAGES))
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@click.pass_obj
+def stamp(obj: Context, stage: str, output: Path) -> None:
+    """Write STAGE's config fields to OUTPUT, leaving the file untouched when they did not change.
+
+    Make lists the stamp as a prerequisite of the stage, so a changed option redoes that stage
+    (and, through its report, everything after it) while an unchanged one redoes nothing.
+    """
+    content = json.dumps({k: getattr(obj.config, k) for k in stage_fields(stage)}, indent=2) + "\n"
+    if output.is_file() and output.read_text() == content:
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp")
+    tmp.write_text(content)
+    tmp.replace(output)
+
+
+@main.command()
+@click.option(
+    "--checkpoint-config",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="a checkpoint's config.json (default: the downloaded checkpoint's, else built-in geometry)",
+)
+@click.option("--json", "as_json", is_flag=True, help="print machine-readable JSON")
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="also write the JSON plan to this file",
+)
+@click.pass_obj
+def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Path | None) -> None:
+    """Parameters, bytes per part and graph, LUTs, KV cache, device memory and a decode roofline."""
+    from stages.plan import make_plan, render_plan
+
+    cfg = obj.config
+    try:
+        if checkpoint_config is None:
+            downloaded = obj.checkpoint_dir() / "config.json"
+            if downloaded.is_file():
+                checkpoint_config = downloaded
+        if checkpoint_config is not None:
+            geo = load_geometry(checkpoint_config)
+        else:
+            geo = builtin_geometry(cfg.model)
+            if geo is None:
+                raise UserError(
+                    f"no geometry for model {cfg.model!r}: run `make download MODEL={cfg.model}` "
+                    "first or pass --checkpoint-config PATH/config.json"
+                )
+        result = make_plan(geo, cfg)
+    except (GeometryError, PartitionError) as e:
+        raise UserError(str(e)) from None
+    data = {"config": cfg.to_dict(), **result.to_dict()}
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(output, data)
+    click.echo(json.dumps(data, indent=2) if as_json else render_plan(result))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="print machine-readable JSON")
+@click.pass_obj
+def doctor(obj: Context, as_json: bool) -> None:
+    """Check this environment: Python packages per stage, Docker, disk, tokens, SDK, adb."""
+    from stages.doctor import render_checks, run_checks
+
+    checks = run_checks(obj.config, obj.workdir)
+    if as_json:
+        click.echo(json.dumps([c.__dict__ for c in checks], indent=2))
+    else:
+        click.echo(render_checks(checks))

@@ -1,0 +1,262 @@
+"""The pipeline config: one typed record every stage reads.
+
+Values come from a preset file (TOML, flat keys, `stages/presets/`), then from overrides (CLI options,
+which Make variables turn into). Validation happens once, here, with errors that name the field and
+the values it may take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from stages.soc import SOCS, Soc, get_soc
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+DEFAULT_PRESET = "default"
+
+# Models the download stage makes itself, without a network; anything else is a Hugging Face repo id.
+BUILTIN_MODELS = ("tiny", "e2b-random")
+COMPILERS = ("local", "aihub")
+PLE_POLICIES = ("float16", "int16", "int8")
+PLE_LUT_BITS = (8, 16)
+KV_BITS = ("auto", "8", "16")
+CALIBRATION_DATASETS = ("wikitext-2-raw-v1", "files")
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    weight_bits: int
+    activation_bits: int
+    # 4-bit weights on HTP are block-wise (LPBQ), which needs v69 or newer.
+    needs_lpbq: bool = False
+    # 16-bit weights against 16-bit activations need the v73+ 16x16 matmul.
+    needs_matmul_16x16: bool = False
+
+    def runs_on(self, soc: Soc) -> bool:
+        return (soc.lpbq_4bit_weights or not self.needs_lpbq) and (
+            soc.matmul_16x16 or not self.needs_matmul_16x16
+        )
+
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("w8a16", weight_bits=8, activation_bits=16),
+        Precision("w4a16", weight_bits=4, activation_bits=16, needs_lpbq=True),
+        Precision("w16a16", weight_bits=16, activation_bits=16, needs_matmul_16x16=True),
+    )
+}
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the field and what it may be."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field_name = field_name
+        super().__init__(f"config field '{field_name}': {message}")
+
+
+# Stages in pipeline order. Each config field names the first stage whose output it changes;
+# later stages see the change through that stage's report, so Make redoes exactly what is stale.
+STAGES = ("download", "export", "quantize", "compile", "bundle", "verify")
+
+
+def _meta(stage: str, doc: str) -> dict[str, str]:
+    return {"stage": stage, "doc": doc}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    model: str = field(metadata=_meta("download", "Hugging Face repo id, or a built-in model: tiny, e2b-random"))
+    model_revision: str = field(metadata=_meta("download", "git revision of the model repo (commit sha to pin)"))
+    soc: str = field(metadata=_meta("quantize", "target SoC, a row of the SoC table"))
+    precision: str = field(metadata=_meta("quantize", "weight/activation bits, e.g. w8a16"))
+    max_context: int = field(metadata=_meta("export", "context length in tokens (KV cache slots)"))
+    prefill_ar: int = field(metadata=_meta("export", "tokens per prefill graph call (AR-N)"))
+    decode_ar: int = field(metadata=_meta("export", "tokens per decode graph call"))
+    num_shards: int = field(metadata=_meta("export", "decoder parts, one context binary each per graph"))
+    compiler: str = field(metadata=_meta("compile", "local (onnxruntime-qnn offline) or aihub (cloud)"))
+    calibration_dataset: str = field(metadata=_meta("quantize", "wikitext-2-raw-v1, or files (local text)"))
+    calibration_samples: int = field(metadata=_meta("quantize", "number of calibration sequences"))
+    calibration_tokens: int = field(metadata=_meta("quantize", "tokens per calibration sequence, at most"))
+    ple_policy: str = field(metadata=_meta("quantize", "precision of the in-graph per-layer-embedding paths"))
+    ple_lut_bits: int = field(metadata=_meta("export", "bits per entry of the per-layer embedding LUT"))
+    kv_bits: str = field(metadata=_meta("quantize", "KV cache bits: auto (8 without 16x16 matmul), 8 or 16"))
+
+    # ---- derived facts: computed, never stored in a preset ----
+    @property
+    def soc_info(self) -> Soc:
+        return get_soc(self.soc)
+
+    @property
+    def precision_info(self) -> Precision:
+        return PRECISIONS[self.precision]
+
+    @property
+    def is_builtin_model(self) -> bool:
+        return self.model in BUILTIN_MODELS
+
+    @property
+    def checkpoint_name(self) -> str:
+        """Folder name under checkpoints/: the repo name, lower-cased."""
+        return self.model.rsplit("/", 1)[-1].lower()
+
+    @property
+    def kv_cache_bits(self) -> int:
+        if self.kv_bits == "auto":
+            return 16 if self.soc_info.matmul_16x16 else 8
+        return int(self.kv_bits)
+
+    @property
+    def separate_prefill_and_decode(self) -> bool:
+        return self.prefill_ar != self.decode_ar
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def with_overrides(self, **overrides: Any) -> PipelineConfig:
+        return validate(dataclasses.replace(self, **_coerce_all(overrides)))
+
+
+FIELD_NAMES = tuple(f.name for f in fields(PipelineConfig))
+_FIELD_TYPES = {f.name: f.type for f in fields(PipelineConfig)}
+_HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def field_doc(name: str) -> str:
+    return next(f.metadata["doc"] for f in fields(PipelineConfig) if f.name == name)
+
+
+def stage_fields(stage: str) -> list[str]:
+    """The config fields whose first effect is on `stage`'s output."""
+    if stage not in STAGES:
+        raise ConfigError("stage", f"{stage!r} is not a stage; allowed values: {', '.join(STAGES)}")
+    return [f.name for f in fields(PipelineConfig) if f.metadata["stage"] == stage]
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if name not in _FIELD_TYPES:
+        raise ConfigError(name, f"unknown field; allowed fields: {', '.join(FIELD_NAMES)}")
+    if _FIELD_TYPES[name] == "int":
+        if isinstance(value, bool):
+            raise ConfigError(name, f"expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(name, f"expected an integer, got {value!r}") from None
+    if isinstance(value, (dict, list)):
+        raise ConfigError(name, f"expected a string, got {value!r}")
+    return str(value)
+
+
+def _coerce_all(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: _coerce(k, v) for k, v in values.items() if v is not None}
+
+
+def _one_of(name: str, value: Any, allowed: tuple | list) -> None:
+    if value not in allowed:
+        raise ConfigError(
+            name, f"{value!r} is not allowed; allowed values: {', '.join(map(str, allowed))}"
+        )
+
+
+def _at_least(name: str, value: int, minimum: int, why: str = "") -> None:
+    if value < minimum:
+        raise ConfigError(name, f"{value} is too small; allowed values: >= {minimum}{why}")
+
+
+def validate(cfg: PipelineConfig) -> PipelineConfig:
+    """Return cfg with normalised names, or raise ConfigError for the first bad field."""
+    if not (cfg.model in BUILTIN_MODELS or _HF_REPO_ID.match(cfg.model)):
+        raise ConfigError(
+            "model",
+            f"{cfg.model!r} is neither a Hugging Face repo id (owner/name) nor a built-in model; "
+            f"built-in models: {', '.join(BUILTIN_MODELS)}",
+        )
+    if not cfg.model_revision.strip():
+        raise ConfigError("model_revision", "must not be empty (use a commit sha or 'main')")
+    _one_of("soc", cfg.soc.upper(), list(SOCS))
+    cfg = dataclasses.replace(cfg, soc=cfg.soc.upper())
+    soc = cfg.soc_info
+    _one_of("precision", cfg.precision, list(PRECISIONS))
+    if not cfg.precision_info.runs_on(soc):
+        allowed = [p.name for p in PRECISIONS.values() if p.runs_on(soc)]
+        raise ConfigError(
+            "precision",
+            f"{cfg.precision} cannot run on {soc.name} ({soc.dsp_arch}); "
+            f"allowed values for {soc.name}: {', '.join(allowed)}",
+        )
+    _at_least("max_context", cfg.max_context, 2)
+    _at_least("decode_ar", cfg.decode_ar, 1)
+    _at_least("prefill_ar", cfg.prefill_ar, 1)
+    for name in ("prefill_ar", "decode_ar"):
+        value = getattr(cfg, name)
+        if value >= cfg.max_context:
+            raise ConfigError(
+                name,
+                f"{value} must be smaller than max_context ({cfg.max_context}): the graph needs "
+                f"room for past KV entries; allowed values: 1..{cfg.max_context - 1}",
+            )
+    if cfg.decode_ar > cfg.prefill_ar:
+        raise ConfigError("decode_ar", f"{cfg.decode_ar} must not exceed prefill_ar ({cfg.prefill_ar})")
+    _at_least("num_shards", cfg.num_shards, 1)
+    _one_of("compiler", cfg.compiler, COMPILERS)
+    _one_of("calibration_dataset", cfg.calibration_dataset, CALIBRATION_DATASETS)
+    _at_least("calibration_samples", cfg.calibration_samples, 1)
+    _at_least("calibration_tokens", cfg.calibration_tokens, 2)
+    _one_of("ple_policy", cfg.ple_policy, PLE_POLICIES)
+    _one_of("ple_lut_bits", cfg.ple_lut_bits, PLE_LUT_BITS)
+    _one_of("kv_bits", cfg.kv_bits, KV_BITS)
+    if cfg.kv_bits == "16" and not soc.matmul_16x16:
+        raise ConfigError(
+            "kv_bits",
+            f"16-bit KV needs a 16x16 activation matmul, which {soc.name} ({soc.dsp_arch}) lacks; "
+            "allowed values here: auto, 8",
+        )
+    return cfg
+
+
+def preset_path(preset: str | Path) -> Path:
+    """A preset is a name in stages/presets/ or a path to a TOML file."""
+    p = Path(preset)
+    if p.suffix == ".toml" or p.exists():
+        return p
+    candidate = PRESETS_DIR / f"{preset}.toml"
+    if not candidate.exists():
+        names = sorted(q.stem for q in PRESETS_DIR.glob("*.toml"))
+        raise ConfigError("preset", f"no preset named {preset!r}; allowed values: {', '.join(names)}")
+    return candidate
+
+
+def load_config(preset: str | Path = DEFAULT_PRESET, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    path = preset_path(preset)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("preset", f"preset file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("preset", f"{path} is not valid TOML: {e}") from None
+    values = _coerce_all(raw)
+    missing = [n for n in FIELD_NAMES if n not in values]
+    if missing:
+        raise ConfigError(missing[0], f"missing from preset {path}; every preset sets all fields")
+    values.update(_coerce_all(overrides or {}))
+    return validate(PipelineConfig(**values))
+
+
+if __name__ == "__main__":
+    # `python3 -m stages.config PRESET [MODEL]` prints the checkpoint folder name. The Makefile needs
+    # it to name the download stage's output before any image exists; this module is stdlib-only.
+    import sys
+
+    args = sys.argv[1:] + [""]
+    try:
+        print(load_config(args[0], {"model": args[1] or None}).checkpoint_name)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,287 @@
+"""Gemma 4 text-decoder geometry: every weight tensor the text model has, derived from a config.
+
+The same list serves the planner (parameter and byte counts), the download stage (checking a
+snapshot's safetensors shapes) and the export stage (which weights go into which shard). Tensor
+names are relative to the language model (`model.language_model.` in the -it checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Gemma 4 E2B text config, as in google/gemma-4-E2B-it's config.json (text_config); see FACTS.md s.1.
+E2B_TEXT_CONFIG: dict[str, Any] = {
+    "model_type": "gemma4_text",
+    "vocab_size": 262144,
+    "hidden_size": 1536,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 35,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "global_head_dim": 512,
+    "sliding_window": 512,
+    "layer_types": ["sliding_attention"] * 4 * 7,  # replaced below: 4 sliding + 1 full, x7
+    "num_kv_shared_layers": 20,
+    "use_double_wide_mlp": True,
+    "hidden_size_per_layer_input": 256,
+    "vocab_size_per_layer_input": 262144,
+    "final_logit_softcapping": 30.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1000000.0,
+        },
+    },
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+}
+E2B_TEXT_CONFIG["layer_types"] = [
+    "full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(35)
+]
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+# What a tensor is for; the planner prices each kind at its own precision.
+LINEAR = "linear"  # attention and MLP projections: weight_bits
+NORM = "norm"  # RMSNorm weights and layer scalars: activation precision
+PLE = "ple"  # in-graph per-layer-embedding paths: the PLE policy
+EMBEDDING = "embedding"  # embed_tokens: host LUT, and the tied lm_head in the last shard
+PLE_TABLE = "ple_table"  # embed_tokens_per_layer: host LUT only
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Layer:
+    index: int
+    attention: str  # SLIDING or FULL
+    head_dim: int
+    intermediate_size: int
+    kv_donor: int  # the layer whose KV cache this layer reads (itself for owners)
+    tensors: tuple[Tensor, ...]
+
+    @property
+    def owns_kv(self) -> bool:
+        return self.kv_donor == self.index
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+
+class GeometryError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Geometry:
+    config: dict[str, Any]
+    layers: tuple[Layer, ...]
+    embedding: Tensor
+    ple_table: Tensor | None
+    ple_projection: tuple[Tensor, ...]
+    final_norm: Tensor
+
+    # ---- shape facts other stages need ----
+    @property
+    def hidden_size(self) -> int:
+        return self.config["hidden_size"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config["vocab_size"]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config["num_key_value_heads"]
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.config["num_attention_heads"]
+
+    @property
+    def sliding_window(self) -> int:
+        return self.config["sliding_window"]
+
+    @property
+    def ple_dim(self) -> int:
+        return self.config.get("hidden_size_per_layer_input") or 0
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", True))
+
+    def all_tensors(self) -> list[Tensor]:
+        out = [self.embedding]
+        if self.ple_table is not None:
+            out.append(self.ple_table)
+        out += list(self.ple_projection)
+        for layer in self.layers:
+            out += list(layer.tensors)
+        out.append(self.final_norm)
+        return out
+
+    @property
+    def total_params(self) -> int:
+        return sum(t.numel for t in self.all_tensors())
+
+
+def _require(cfg: dict[str, Any], key: str) -> Any:
+    if key not in cfg:
+        raise GeometryError(f"text config lacks '{key}'; is this a Gemma 4 config.json?")
+    return cfg[key]
+
+
+def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
+    """The text sub-config of a multimodal Gemma 4 config.json, or the config itself if text-only."""
+    if "text_config" in config:
+        return config["text_config"]
+    return config
+
+
+def kv_donors(layer_types: list[str], num_kv_shared_layers: int) -> list[int]:
+    """For each layer, the index of the layer whose KV it reads (transformers' kv_sharing_modes)."""
+    n = len(layer_types)
+    first_shared = n - num_kv_shared_layers
+    donors = list(range(n))
+    for i in range(first_shared, n):
+        owners = [j for j in range(first_shared) if layer_types[j] == layer_types[i]]
+        if not owners:
+            raise GeometryError(
+                f"layer {i} ({layer_types[i]}) shares KV but no earlier layer of that type owns one"
+            )
+        donors[i] = owners[-1]
+    return donors
+
+
+def geometry_from_config(config: dict[str, Any]) -> Geometry:
+    cfg = text_config_of(config)
+    if cfg.get("enable_moe_block"):
+        raise GeometryError("MoE Gemma 4 variants are not supported; use an E2B/E4B-style config")
+    hidden = _require(cfg, "hidden_size")
+    n_layers = _require(cfg, "num_hidden_layers")
+    n_heads = _require(cfg, "num_attention_heads")
+    n_kv = _require(cfg, "num_key_value_heads")
+    head_dim = _require(cfg, "head_dim")
+    global_head_dim = cfg.get("global_head_dim", 512)
+    vocab = _require(cfg, "vocab_size")
+    layer_types = cfg.get("layer_types") or [
+        FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n_layers)
+    ]
+    if len(layer_types) != n_layers:
+        raise GeometryError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+    n_shared = cfg.get("num_kv_shared_layers", 0)
+    donors = kv_donors(layer_types, n_shared)
+    ple_dim = cfg.get("hidden_size_per_layer_input") or 0
+    inter = _require(cfg, "intermediate_size")
+    inters = inter if isinstance(inter, list) else [inter] * n_layers
+
+    layers = []
+    for i, kind in enumerate(layer_types):
+        hd = global_head_dim if kind == FULL else head_dim
+        owns = donors[i] == i
+        width = inters[i] * (2 if cfg.get("use_double_wide_mlp") and not owns else 1)
+        p = f"layers.{i}."
+        ts = [
+            Tensor(p + "self_attn.q_proj.weight", (n_heads * hd, hidden), LINEAR),
+            Tensor(p + "self_attn.q_norm.weight", (hd,), NORM),
+        ]
+        if owns:
+            ts += [
+                Tensor(p + "self_attn.k_proj.weight", (n_kv * hd, hidden), LINEAR),
+                Tensor(p + "self_attn.v_proj.weight", (n_kv * hd, hidden), LINEAR),
+                Tensor(p + "self_attn.k_norm.weight", (hd,), NORM),
+            ]
+        ts += [
+            Tensor(p + "self_attn.o_proj.weight", (hidden, n_heads * hd), LINEAR),
+            Tensor(p + "mlp.gate_proj.weight", (width, hidden), LINEAR),
+            Tensor(p + "mlp.up_proj.weight", (width, hidden), LINEAR),
+            Tensor(p + "mlp.down_proj.weight", (hidden, width), LINEAR),
+        ]
+        ts += [
+            Tensor(p + f"{norm}.weight", (hidden,), NORM)
+            for norm in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            )
+        ]
+        ts.append(Tensor(p + "layer_scalar", (1,), NORM))
+        if ple_dim:
+            ts += [
+                Tensor(p + "per_layer_input_gate.weight", (ple_dim, hidden), PLE),
+                Tensor(p + "per_layer_projection.weight", (hidden, ple_dim), PLE),
+                Tensor(p + "post_per_layer_input_norm.weight", (hidden,), PLE),
+            ]
+        layers.append(Layer(i, kind, hd, width, donors[i], tuple(ts)))
+
+    ple_table = None
+    ple_projection: tuple[Tensor, ...] = ()
+    if ple_dim:
+        ple_vocab = cfg.get("vocab_size_per_layer_input", vocab)
+        ple_table = Tensor("embed_tokens_per_layer.weight", (ple_vocab, n_layers * ple_dim), PLE_TABLE)
+        ple_projection = (
+            Tensor("per_layer_model_projection.weight", (n_layers * ple_dim, hidden), PLE),
+            Tensor("per_layer_projection_norm.weight", (ple_dim,), PLE),
+        )
+    return Geometry(
+        config=dict(cfg, layer_types=list(layer_types), global_head_dim=global_head_dim),
+        layers=tuple(layers),
+        embedding=Tensor("embed_tokens.weight", (vocab, hidden), EMBEDDING),
+        ple_table=ple_table,
+        ple_projection=ple_projection,
+        final_norm=Tensor("norm.weight", (hidden,), NORM),
+    )
+
+
+def e2b_geometry() -> Geometry:
+    return geometry_from_config(E2B_TEXT_CONFIG)
+
+
+# Models whose geometry is known without a downloaded config.json (lower-cased names).
+KNOWN_GEOMETRIES = {"google/gemma-4-e2b-it": E2B_TEXT_CONFIG, "e2b-random": E2B_TEXT_CONFIG}
+
+
+def builtin_geometry(model: str) -> Geometry | None:
+    config = KNOWN_GEOMETRIES.get(model.lower())
+    return geometry_from_config(config) if config else None
+
+
+def load_geometry(config_json: Path | None) -> Geometry:
+    """Geometry of a checkpoint's config.json, or of the built-in E2B geometry when None."""
+    if config_json is None:
+        return e2b_geometry()
+    try:
+        config = json.loads(Path(config_json).read_text())
+    except FileNotFoundError:
+        raise GeometryError(f"{config_json} does not exist; run `make download` first") from None
+    except json.JSONDecodeError as e:
+        raise GeometryError(f"{config_json} is not valid JSON: {e}") from None
+    return geometry_from_config(config)

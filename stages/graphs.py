@@ -1,0 +1,84 @@
+"""Which layers go into which shard, and what the graphs built from them are called.
+
+The export stage cuts the decoder where `partition_layers` says, the compile and bundle stages name
+binaries with `graph_name`/`binary_name`, the planner prices the same parts: one source for all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from stages.config import PipelineConfig
+
+
+@dataclass(frozen=True)
+class GraphKind:
+    role: str  # "prefill" or "decode"
+    ar: int  # tokens per call
+
+
+def graph_kinds(cfg: PipelineConfig) -> list[GraphKind]:
+    """One graph per part when prefill and decode share a size, two otherwise."""
+    if cfg.separate_prefill_and_decode:
+        return [GraphKind("prefill", cfg.prefill_ar), GraphKind("decode", cfg.decode_ar)]
+    return [GraphKind("prefill", cfg.prefill_ar)]
+
+
+def part_name(part: int, num_parts: int) -> str:
+    """1-based, as Genie bundles name their parts: part1_of_4."""
+    return f"part{part}_of_{num_parts}"
+
+
+def graph_name(kind: GraphKind, part: int, num_parts: int) -> str:
+    return f"{kind.role}_ar{kind.ar}_{part_name(part, num_parts)}"
+
+
+def binary_name(kind: GraphKind, part: int, num_parts: int) -> str:
+    return f"{graph_name(kind, part, num_parts)}.bin"
+
+
+class PartitionError(ValueError):
+    pass
+
+
+def partition_layers(
+    layer_bytes: list[int], num_parts: int, first_extra: int = 0, last_extra: int = 0
+) -> list[range]:
+    """Cut layers into `num_parts` contiguous runs, minimising the largest part's bytes.
+
+    `first_extra` and `last_extra` are bytes that ride with the first and last part (the PLE
+    projection before layer 0, the final norm and lm_head after the last layer). The largest part
+    bounds the per-context size limit and the peak memory of export and compile.
+    """
+    n = len(layer_bytes)
+    if num_parts > n:
+        raise PartitionError(
+            f"num_shards={num_parts} exceeds the model's {n} decoder layers; allowed values: 1..{n}"
+        )
+    prefix = [0]
+    for b in layer_bytes:
+        prefix.append(prefix[-1] + b)
+
+    def cost(i: int, j: int) -> int:  # bytes of a part holding layers i..j-1
+        c = prefix[j] - prefix[i]
+        if i == 0:
+            c += first_extra
+        if j == n:
+            c += last_extra
+        return c
+
+    @cache
+    def best(i: int, k: int) -> tuple[int, tuple[int, ...]]:
+        """Min over cuts of the max part cost for layers i..n-1 in k parts; returns (cost, cut points)."""
+        if k == 1:
+            return cost(i, n), ()
+        options = []
+        for j in range(i + 1, n - k + 2):
+            rest_cost, rest_cuts = best(j, k - 1)
+            options.append((max(cost(i, j), rest_cost), (j, *rest_cuts)))
+        return min(options)
+
+    _, cuts = best(0, num_parts)
+    bounds = [0, *cuts, n]
+    return [range(bounds[p], bounds[p + 1]) for p in range(num_parts)]

@@ -1,0 +1,105 @@
+import pytest
+
+from stages.config import (
+    FIELD_NAMES,
+    PRESETS_DIR,
+    STAGES,
+    ConfigError,
+    load_config,
+    stage_fields,
+)
+
+
+def test_default_preset_is_the_real_job():
+    cfg = load_config()
+    assert cfg.model == "google/gemma-4-E2B-it"
+    assert cfg.soc == "SM8450" and cfg.precision == "w8a16"
+    assert (cfg.max_context, cfg.prefill_ar, cfg.decode_ar, cfg.num_shards) == (2048, 128, 1, 4)
+    assert cfg.compiler == "local" and cfg.ple_policy == "float16"
+    assert (cfg.calibration_dataset, cfg.calibration_samples, cfg.calibration_tokens) == (
+        "wikitext-2-raw-v1", 20, 4096,
+    )
+    assert cfg.kv_cache_bits == 8  # v69 has no 16x16 matmul
+    assert cfg.checkpoint_name == "gemma-4-e2b-it"
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in PRESETS_DIR.glob("*.toml")))
+def test_every_shipped_preset_is_valid(preset):
+    load_config(preset)
+
+
+def test_overrides_are_coerced_from_strings():
+    cfg = load_config(overrides={"soc": "sm8550", "max_context": "4096", "num_shards": "2"})
+    assert (cfg.soc, cfg.max_context, cfg.num_shards) == ("SM8550", 4096, 2)
+    assert cfg.kv_cache_bits == 16
+
+
+def test_none_overrides_keep_the_preset_value():
+    assert load_config(overrides={"soc": None}).soc == "SM8450"
+
+
+@pytest.mark.parametrize(
+    "overrides, field, allowed",
+    [
+        ({"soc": "SM9999"}, "soc", "SM8350, SM8450"),
+        ({"prefill_ar": 2048}, "prefill_ar", "1..2047"),
+        ({"decode_ar": 4096}, "decode_ar", "1..2047"),
+        ({"num_shards": 0}, "num_shards", ">= 1"),
+        ({"precision": "w16a16"}, "precision", "w8a16, w4a16"),
+        ({"precision": "w3a7"}, "precision", "w8a16, w4a16, w16a16"),
+        ({"compiler": "cloud"}, "compiler", "local, aihub"),
+        ({"kv_bits": "16"}, "kv_bits", "auto, 8"),
+        ({"ple_policy": "int4"}, "ple_policy", "float16, int16, int8"),
+        ({"ple_lut_bits": 4}, "ple_lut_bits", "8, 16"),
+        ({"max_context": "lots"}, "max_context", "integer"),
+        ({"model": "not a repo"}, "model", "tiny, e2b-random"),
+        ({"colour": "blue"}, "colour", "allowed fields"),
+    ],
+)
+def test_invalid_values_name_the_field_and_allowed_values(overrides, field, allowed):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides)
+    assert e.value.field_name == field
+    assert f"'{field}'" in str(e.value) and allowed in str(e.value)
+
+
+def test_w4a16_needs_lpbq_so_not_on_v68():
+    with pytest.raises(ConfigError, match="cannot run on SM8350"):
+        load_config(overrides={"soc": "SM8350", "precision": "w4a16"})
+    assert load_config(overrides={"precision": "w4a16"}).precision == "w4a16"
+
+
+def test_w16a16_runs_on_v73_and_later():
+    assert load_config(overrides={"soc": "SM8650", "precision": "w16a16"}).precision == "w16a16"
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ConfigError, match="allowed values: default, tiny"):
+        load_config("nonexistent")
+
+
+def test_preset_file_must_set_every_field(tmp_path):
+    p = tmp_path / "partial.toml"
+    p.write_text('model = "tiny"\n')
+    with pytest.raises(ConfigError, match="missing from preset"):
+        load_config(p)
+
+
+def test_preset_file_with_unknown_key_fails(tmp_path):
+    p = tmp_path / "extra.toml"
+    p.write_text((PRESETS_DIR / "tiny.toml").read_text() + 'shards = 3\n')
+    with pytest.raises(ConfigError, match="'shards': unknown field"):
+        load_config(p)
+
+
+def test_broken_toml_names_the_file(tmp_path):
+    p = tmp_path / "broken.toml"
+    p.write_text("model = \n")
+    with pytest.raises(ConfigError, match="broken.toml is not valid TOML"):
+        load_config(p)
+
+
+def test_every_field_belongs_to_exactly_one_stage():
+    owned = [f for s in STAGES for f in stage_fields(s)]
+    assert sorted(owned) == sorted(FIELD_NAMES)
+    assert "soc" in stage_fields("quantize") and "compiler" in stage_fields("compile")

@@ -1,0 +1,100 @@
+"""The Makefile's contract: targets, variables, the runner switch and stage skipping."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run
+
+REQUIRED_TARGETS = [
+    "images", "wheelhouse", "base-image", "download", "export", "quantize", "compile", "bundle",
+    "verify", "push", "run", "demo", "test", "clean", "venv", "plan", "doctor", "help",
+]
+VENV = Path(sys.prefix)
+in_venv = pytest.mark.skipif(
+    not (VENV / ".installed").exists(), reason="needs the project venv (`make venv`); run via `make test`"
+)
+
+
+def make(*args: str, **env: str):
+    return run(["make", "--no-print-directory", *args], env=env)
+
+
+def test_help_lists_every_target_with_a_line():
+    r = make("help")
+    assert r.returncode == 0
+    listed = {line.split()[0] for line in r.stdout.splitlines() if line.startswith("  ") and line.split()}
+    missing = [t for t in REQUIRED_TARGETS if t not in listed]
+    assert not missing, f"make help lacks {missing}"
+    for var in ["MODEL", "SOC", "PRECISION", "MAX_CONTEXT", "PREFILL_AR", "NUM_SHARDS", "COMPILER",
+                "RUNNER", "WORKDIR"]:
+        assert var in r.stdout
+
+
+def test_variables_become_cli_options():
+    r = make("-n", "plan", "RUNNER=local", "SOC=SM8550", "NUM_SHARDS=2", "MAX_CONTEXT=4096",
+             "PREFILL_AR=64", "PRECISION=w8a16", "COMPILER=aihub", "MODEL=tiny")
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip().splitlines()[-1]
+    for opt in ["--soc 'SM8550'", "--num-shards '2'", "--max-context '4096'", "--prefill-ar '64'",
+                "--precision 'w8a16'", "--compiler 'aihub'", "--model 'tiny'", "plan"]:
+        assert opt in line
+
+
+def test_docker_runner_passes_secrets_by_name_only():
+    r = make("-n", "plan", "RUNNER=docker", HF_TOKEN="hf_canary_dryrun_42")
+    assert r.returncode == 0, r.stderr
+    assert "-e HF_TOKEN " in r.stdout and "--user" in r.stdout and "--cap-drop ALL" in r.stdout
+    assert "hf_canary_dryrun_42" not in r.stdout + r.stderr
+    assert "--privileged" not in r.stdout
+
+
+def test_unknown_runner_is_refused():
+    r = make("plan", "RUNNER=podman")
+    assert r.returncode != 0 and "allowed values: docker, local" in r.stderr
+
+
+def test_stage_chain_order():
+    r = make("-n", "compile", "RUNNER=local", "WORKDIR=/tmp/g4v69-chain-test")
+    assert r.returncode == 0, r.stderr
+    last_words = [line.split()[-1] for line in r.stdout.splitlines() if line.strip()]
+    stages = [w for w in last_words if w in ("download", "export", "quantize", "compile")]
+    assert stages == ["download", "export", "quantize", "compile"]
+
+
+@in_venv
+def test_plan_runs_locally_and_matches_the_cli():
+    r = make("plan", "RUNNER=local", f"VENV={VENV}")
+    assert r.returncode == 0, r.stderr
+    assert "SM8450 (v69)" in r.stdout and "Decode roofline" in r.stdout
+    j = make("g4v69", "RUNNER=local", f"VENV={VENV}", "ARGS=plan --json")
+    assert json.loads(j.stdout)["soc"] == "SM8450"
+
+
+@in_venv
+def test_bad_config_through_make_fails_and_writes_nothing(tmp_path):
+    r = make("download", "RUNNER=local", f"VENV={VENV}", f"WORKDIR={tmp_path}", "SOC=SM0000")
+    assert r.returncode != 0 and "config field 'soc'" in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@in_venv
+def test_unchanged_stage_is_not_redone_and_a_changed_option_redoes_it(tmp_path):
+    args = ["RUNNER=local", f"VENV={VENV}", f"WORKDIR={tmp_path}", "MODEL=tiny"]
+    first = make("download", *args)
+    if "not implemented yet" not in first.stderr:
+        pytest.skip("download is implemented; its own tests cover reruns")
+    assert first.returncode != 0 and not (tmp_path / "checkpoints").exists()
+    # Stand in for a finished download: a report newer than the stage's config stamp.
+    report = tmp_path / "checkpoints" / "tiny" / "report.json"
+    report.parent.mkdir(parents=True)
+    report.write_text("{}")
+    stamp = tmp_path / ".g4v69" / "download.json"
+    os.utime(stamp, (stamp.stat().st_atime - 10, stamp.stat().st_mtime - 10))
+    again = make("download", *args)
+    assert again.returncode == 0, again.stderr  # the stage recipe did not run
+    changed = make("download", *args, "MODEL_REVISION=0123abc")
+    assert changed.returncode != 0 and "not implemented yet" in changed.stderr

@@ -1,0 +1,36 @@
+from stages.soc import SOCS, UnknownSocError, get_soc
+
+import pytest
+
+
+def test_table_has_the_six_targets():
+    assert list(SOCS) == ["SM8350", "SM8450", "SM8475", "SM8550", "SM8650", "SM8750"]
+
+
+def test_sm8450_is_v69_without_weight_sharing_or_16x16_matmul():
+    soc = get_soc("sm8450")
+    assert (soc.soc_model, soc.dsp_arch, soc.htp_arch, soc.vtcm_mib) == (36, "v69", 69, 8)
+    assert not soc.weight_sharing and not soc.matmul_16x16
+    assert soc.aihub_device == "Samsung Galaxy S22 (Family)"
+    assert soc.aihub_chipset == "chipset:qualcomm-snapdragon-8gen1"
+    assert soc.memory.gb_per_s == 51.2
+
+
+@pytest.mark.parametrize("name", list(SOCS))
+def test_capabilities_follow_the_architecture(name):
+    soc = SOCS[name]
+    newer = soc.htp_arch >= 73
+    assert soc.weight_sharing == newer
+    assert soc.matmul_16x16 == newer
+    assert soc.lpbq_4bit_weights == (soc.htp_arch >= 69)
+    assert soc.memory.gb_per_s > 40 and soc.memory.source
+    assert soc.soc_model > 0 and soc.to_dict()["htp_arch"] == soc.htp_arch
+
+
+def test_soc_models_are_unique():
+    assert len({s.soc_model for s in SOCS.values()}) == len(SOCS)
+
+
+def test_unknown_soc_names_the_allowed_values():
+    with pytest.raises(UnknownSocError, match="SM8450"):
+        get_soc("SM1234")
