@@ -112,7 +112,7 @@ def fill(wheelhouse: Path, locks: list[Path], pip_args: list[str]) -> None:
             print(f"wheelhouse: downloading {len(missing)} files for {lock}", flush=True)
             cmd = [
                 sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes",
-                "--progress-bar", "off", "--disable-pip-version-check", "-d", str(pool),
+                "--quiet", "--disable-pip-version-check", "-d", str(pool),
                 *PLATFORM_ARGS, *pip_args, "-r", str(lock),
             ]  # fmt: skip
             r = subprocess.run(cmd)
@@ -150,7 +150,8 @@ def context(wheelhouse: Path, lock: Path, dest: Path) -> None:
 def main(argv: list[str]) -> None:
     if len(argv) >= 3 and argv[0] == "fill":
         rest = argv[2:]
-        locks, pip_args = (rest[: rest.index("--")], rest[rest.index("--") + 1 :]) if "--" in rest else (rest, [])
+        cut = rest.index("--") if "--" in rest else len(rest)
+        locks, pip_args = rest[:cut], rest[cut + 1 :]
         fill(Path(argv[1]), [Path(p) for p in locks], pip_args)
     elif len(argv) == 4 and argv[0] == "context":
         context(Path(argv[1]), Path(argv[2]), Path(argv[3]))

@@ -73,8 +73,8 @@ def _meta(stage: str, doc: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    model: str = field(metadata=_meta("download", "Hugging Face repo id, or a built-in model: tiny, e2b-random"))
-    model_revision: str = field(metadata=_meta("download", "git revision of the model repo (commit sha to pin)"))
+    model: str = field(metadata=_meta("download", "Hugging Face repo id, or built-in: tiny, e2b-random"))
+    model_revision: str = field(metadata=_meta("download", "git revision of the model repo (pin a sha)"))
     soc: str = field(metadata=_meta("quantize", "target SoC, a row of the SoC table"))
     precision: str = field(metadata=_meta("quantize", "weight/activation bits, e.g. w8a16"))
     max_context: int = field(metadata=_meta("export", "context length in tokens (KV cache slots)"))
@@ -161,9 +161,7 @@ def _coerce_all(values: dict[str, Any]) -> dict[str, Any]:
 
 def _one_of(name: str, value: Any, allowed: tuple | list) -> None:
     if value not in allowed:
-        raise ConfigError(
-            name, f"{value!r} is not allowed; allowed values: {', '.join(map(str, allowed))}"
-        )
+        raise ConfigError(name, f"{value!r} is not allowed; allowed values: {', '.join(map(str, allowed))}")
 
 
 def _at_least(name: str, value: int, minimum: int, why: str = "") -> None:
@@ -234,7 +232,9 @@ def preset_path(preset: str | Path) -> Path:
     return candidate
 
 
-def load_config(preset: str | Path = DEFAULT_PRESET, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+def load_config(
+    preset: str | Path = DEFAULT_PRESET, overrides: dict[str, Any] | None = None
+) -> PipelineConfig:
     path = preset_path(preset)
     try:
         raw = tomllib.loads(path.read_text())

@@ -64,7 +64,9 @@ def run_checks(cfg: PipelineConfig, workdir: Path) -> list[Check]:
             Check(
                 f"{stage} packages",
                 "ok" if not missing else "warn",
-                "all present" if not missing else f"missing {', '.join(missing)} "
+                "all present"
+                if not missing
+                else f"missing {', '.join(missing)} "
                 f"(fine with RUNNER=docker; for RUNNER=local run `make venv`)",
             )
         )
@@ -105,8 +107,9 @@ def run_checks(cfg: PipelineConfig, workdir: Path) -> list[Check]:
             Check(
                 "HF_TOKEN",
                 "ok" if os.environ.get("HF_TOKEN") else "warn",
-                "set" if os.environ.get("HF_TOKEN") else
-                f"not set; {cfg.model} is gated: accept its license and export HF_TOKEN",
+                "set"
+                if os.environ.get("HF_TOKEN")
+                else f"not set; {cfg.model} is gated: accept its license and export HF_TOKEN",
             )
         )
     if cfg.compiler == "aihub":

@@ -191,9 +191,7 @@ def geometry_from_config(config: dict[str, Any]) -> Geometry:
     head_dim = _require(cfg, "head_dim")
     global_head_dim = cfg.get("global_head_dim", 512)
     vocab = _require(cfg, "vocab_size")
-    layer_types = cfg.get("layer_types") or [
-        FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n_layers)
-    ]
+    layer_types = cfg.get("layer_types") or [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n_layers)]
     if len(layer_types) != n_layers:
         raise GeometryError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
     n_shared = cfg.get("num_kv_shared_layers", 0)

@@ -105,9 +105,7 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
     layer_bytes = [tensor_bytes(list(layer.tensors), cfg) for layer in geo.layers]
     head = list(geo.ple_projection)
     tail = [geo.final_norm, geo.embedding]  # the lm_head is the tied embedding
-    bounds = partition_layers(
-        layer_bytes, cfg.num_shards, tensor_bytes(head, cfg), tensor_bytes(tail, cfg)
-    )
+    bounds = partition_layers(layer_bytes, cfg.num_shards, tensor_bytes(head, cfg), tensor_bytes(tail, cfg))
 
     parts: list[PartPlan] = []
     for i, layer_range in enumerate(bounds, start=1):
@@ -133,7 +131,7 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
 
     graphs = []
     for kind in graph_kinds(cfg):
-        for i, (part, layer_range) in enumerate(zip(parts, bounds), start=1):
+        for i, (part, layer_range) in enumerate(zip(parts, bounds, strict=True), start=1):
             kv_inputs = sum(2 * geo.num_kv_heads for li in layer_range if geo.layers[li].owns_kv)
             graphs.append(
                 GraphPlan(
@@ -186,8 +184,7 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
     for name, size in luts.items():
         if size >= LUT_LIMIT_BYTES:
             warnings.append(
-                f"{name} LUT is {_gib(size)}, over Genie's 4 GiB LUT limit (uint32 sizes); "
-                "use ple_lut_bits=8"
+                f"{name} LUT is {_gib(size)}, over Genie's 4 GiB LUT limit (uint32 sizes); use ple_lut_bits=8"
             )
     for part in parts:
         if part.bytes >= CONTEXT_LIMIT_BYTES:
@@ -240,8 +237,7 @@ def _table(rows: list[list[str]], header: list[str], text_columns: int = 1) -> l
 
 def render_plan(plan: Plan) -> str:
     out = [
-        f"Plan: {plan.model} on {plan.soc} ({plan.dsp_arch}), {plan.precision}, "
-        f"KV {plan.kv_cache_bits}-bit",
+        f"Plan: {plan.model} on {plan.soc} ({plan.dsp_arch}), {plan.precision}, KV {plan.kv_cache_bits}-bit",
         "",
         "Parameters",
     ]

@@ -159,6 +159,4 @@ def get_soc(name: str) -> Soc:
     try:
         return SOCS[name.upper()]
     except KeyError:
-        raise UnknownSocError(
-            f"unknown SoC {name!r}; allowed values: {', '.join(SOCS)}"
-        ) from None
+        raise UnknownSocError(f"unknown SoC {name!r}; allowed values: {', '.join(SOCS)}") from None

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from conftest import REPO, run
 
 pytestmark = pytest.mark.container
@@ -98,14 +97,32 @@ def test_images_carry_their_lock_hash(images):
 
 def test_images_run_as_any_uid_and_write_only_the_mount(images, tmp_path):
     tmp_path.chmod(0o777)
-    r = run([
-        "docker", "run", "--rm", "--user", "12345:12345", "--cap-drop", "ALL",
-        "-v", f"{REPO}:{REPO}:ro", "-e", f"PYTHONPATH={REPO}", "-v", f"{tmp_path}:/out",
-        images["tools"], "g4v69", "plan", "--output", "/out/plan.json",
-    ])
+    r = run(
+        [
+            "docker",
+            "run",
+            "--rm",
+            "--user",
+            "12345:12345",
+            "--cap-drop",
+            "ALL",
+            "-v",
+            f"{REPO}:{REPO}:ro",
+            "-e",
+            f"PYTHONPATH={REPO}",
+            "-v",
+            f"{tmp_path}:/out",
+            images["tools"],
+            "g4v69",
+            "plan",
+            "--output",
+            "/out/plan.json",
+        ]
+    )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "plan.json").stat().st_uid == 12345
-    whoami = run(["docker", "run", "--rm", "--user", f"{os.getuid()}:{os.getgid()}", images["tools"], "id", "-u"])
+    uid = f"{os.getuid()}:{os.getgid()}"
+    whoami = run(["docker", "run", "--rm", "--user", uid, images["tools"], "id", "-u"])
     assert whoami.stdout.strip() == str(os.getuid())
 
 

@@ -17,7 +17,9 @@ def test_default_preset_is_the_real_job():
     assert (cfg.max_context, cfg.prefill_ar, cfg.decode_ar, cfg.num_shards) == (2048, 128, 1, 4)
     assert cfg.compiler == "local" and cfg.ple_policy == "float16"
     assert (cfg.calibration_dataset, cfg.calibration_samples, cfg.calibration_tokens) == (
-        "wikitext-2-raw-v1", 20, 4096,
+        "wikitext-2-raw-v1",
+        20,
+        4096,
     )
     assert cfg.kv_cache_bits == 8  # v69 has no 16x16 matmul
     assert cfg.checkpoint_name == "gemma-4-e2b-it"
@@ -87,7 +89,7 @@ def test_preset_file_must_set_every_field(tmp_path):
 
 def test_preset_file_with_unknown_key_fails(tmp_path):
     p = tmp_path / "extra.toml"
-    p.write_text((PRESETS_DIR / "tiny.toml").read_text() + 'shards = 3\n')
+    p.write_text((PRESETS_DIR / "tiny.toml").read_text() + "shards = 3\n")
     with pytest.raises(ConfigError, match="'shards': unknown field"):
         load_config(p)
 

@@ -23,15 +23,15 @@ def approx(value, expected, rel=0.005):
 
 def test_e2b_layer_pattern_and_kv_sharing(geo):
     assert geo.num_layers == 35
-    assert [l.index for l in geo.layers if l.attention == FULL] == [4, 9, 14, 19, 24, 29, 34]
-    assert [l.index for l in geo.layers if l.owns_kv] == list(range(15))
+    assert [layer.index for layer in geo.layers if layer.attention == FULL] == [4, 9, 14, 19, 24, 29, 34]
+    assert [layer.index for layer in geo.layers if layer.owns_kv] == list(range(15))
     for layer in geo.layers[15:]:
         assert layer.kv_donor == (14 if layer.attention == FULL else 13)
         assert not any("k_proj" in t.name or "v_proj" in t.name for t in layer.tensors)
-    assert {l.intermediate_size for l in geo.layers[:15]} == {6144}
-    assert {l.intermediate_size for l in geo.layers[15:]} == {12288}
-    assert {l.head_dim for l in geo.layers if l.attention == SLIDING} == {256}
-    assert {l.head_dim for l in geo.layers if l.attention == FULL} == {512}
+    assert {layer.intermediate_size for layer in geo.layers[:15]} == {6144}
+    assert {layer.intermediate_size for layer in geo.layers[15:]} == {12288}
+    assert {layer.head_dim for layer in geo.layers if layer.attention == SLIDING} == {256}
+    assert {layer.head_dim for layer in geo.layers if layer.attention == FULL} == {512}
 
 
 def test_e2b_parameter_counts_match_facts(geo):
@@ -39,7 +39,7 @@ def test_e2b_parameter_counts_match_facts(geo):
     assert geo.embedding.numel == 262144 * 1536  # 403 M
     assert approx(geo.ple_table.numel, 2.35e9)
     assert approx(sum(t.numel for t in geo.ple_projection), 13.8e6)
-    decoder = [l.numel for l in geo.layers]
+    decoder = [layer.numel for layer in geo.layers]
     assert approx(sum(decoder), 1.86e9)
     assert approx(sum(decoder[:15]), 564e6)
     assert approx(sum(decoder[15:]), 1.30e9)
@@ -115,7 +115,7 @@ def test_partition_is_optimal_against_brute_force():
         best = min(
             max(
                 sum(sizes[a:b]) + (4 if a == 0 else 0) + (6 if b == len(sizes) else 0)
-                for a, b in zip((0, *cuts), (*cuts, len(sizes)))
+                for a, b in zip((0, *cuts), (*cuts, len(sizes)), strict=True)
             )
             for cuts in itertools.combinations(range(1, len(sizes)), k - 1)
         )
@@ -135,14 +135,22 @@ def test_multimodal_config_with_text_config_is_read():
     cfg = {
         "model_type": "gemma4",
         "text_config": {
-            "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2,
-            "num_key_value_heads": 1, "head_dim": 16, "global_head_dim": 32, "vocab_size": 256,
-            "intermediate_size": 128, "sliding_window": 8, "num_kv_shared_layers": 2,
-            "use_double_wide_mlp": True, "hidden_size_per_layer_input": 8,
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "vocab_size": 256,
+            "intermediate_size": 128,
+            "sliding_window": 8,
+            "num_kv_shared_layers": 2,
+            "use_double_wide_mlp": True,
+            "hidden_size_per_layer_input": 8,
             "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         },
     }
     geo = geometry_from_config(cfg)
-    assert [l.kv_donor for l in geo.layers] == [0, 1, 0, 1]
-    assert [l.intermediate_size for l in geo.layers] == [128, 128, 256, 256]
+    assert [layer.kv_donor for layer in geo.layers] == [0, 1, 0, 1]
+    assert [layer.intermediate_size for layer in geo.layers] == [128, 128, 256, 256]
     assert geo.ple_table.shape == (256, 32)

@@ -6,12 +6,27 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import REPO, run
+from conftest import run
 
 REQUIRED_TARGETS = [
-    "images", "wheelhouse", "base-image", "download", "export", "quantize", "compile", "bundle",
-    "verify", "push", "run", "demo", "test", "clean", "venv", "plan", "doctor", "help",
+    "images",
+    "wheelhouse",
+    "base-image",
+    "download",
+    "export",
+    "quantize",
+    "compile",
+    "bundle",
+    "verify",
+    "push",
+    "run",
+    "demo",
+    "test",
+    "clean",
+    "venv",
+    "plan",
+    "doctor",
+    "help",
 ]
 VENV = Path(sys.prefix)
 in_venv = pytest.mark.skipif(
@@ -29,18 +44,45 @@ def test_help_lists_every_target_with_a_line():
     listed = {line.split()[0] for line in r.stdout.splitlines() if line.startswith("  ") and line.split()}
     missing = [t for t in REQUIRED_TARGETS if t not in listed]
     assert not missing, f"make help lacks {missing}"
-    for var in ["MODEL", "SOC", "PRECISION", "MAX_CONTEXT", "PREFILL_AR", "NUM_SHARDS", "COMPILER",
-                "RUNNER", "WORKDIR"]:
+    for var in [
+        "MODEL",
+        "SOC",
+        "PRECISION",
+        "MAX_CONTEXT",
+        "PREFILL_AR",
+        "NUM_SHARDS",
+        "COMPILER",
+        "RUNNER",
+        "WORKDIR",
+    ]:
         assert var in r.stdout
 
 
 def test_variables_become_cli_options():
-    r = make("-n", "plan", "RUNNER=local", "SOC=SM8550", "NUM_SHARDS=2", "MAX_CONTEXT=4096",
-             "PREFILL_AR=64", "PRECISION=w8a16", "COMPILER=aihub", "MODEL=tiny")
+    r = make(
+        "-n",
+        "plan",
+        "RUNNER=local",
+        "SOC=SM8550",
+        "NUM_SHARDS=2",
+        "MAX_CONTEXT=4096",
+        "PREFILL_AR=64",
+        "PRECISION=w8a16",
+        "COMPILER=aihub",
+        "MODEL=tiny",
+    )
     assert r.returncode == 0, r.stderr
     line = r.stdout.strip().splitlines()[-1]
-    for opt in ["--soc 'SM8550'", "--num-shards '2'", "--max-context '4096'", "--prefill-ar '64'",
-                "--precision 'w8a16'", "--compiler 'aihub'", "--model 'tiny'", "plan"]:
+    for opt in [
+        "--soc 'SM8550'",
+        "--num-shards '2'",
+        "--max-context '4096'",
+        "--prefill-ar '64'",
+        "--precision 'w8a16'",
+        "--compiler 'aihub'",
+        "--model 'tiny'",
+        "plan",
+    ]:
         assert opt in line
 
 

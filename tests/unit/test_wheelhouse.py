@@ -3,7 +3,6 @@ import importlib.util
 import sys
 
 import pytest
-
 from conftest import REPO
 
 spec = importlib.util.spec_from_file_location("wheelhouse", REPO / "docker" / "wheelhouse.py")
