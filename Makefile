@@ -63,7 +63,8 @@ ABS_WORKDIR = $(abspath $(WORKDIR))
 DOCKER_RUN = docker run --rm -i --user $$(id -u):$$(id -g) --cap-drop ALL \
   --security-opt no-new-privileges -v '$(CURDIR):$(CURDIR)' -w '$(CURDIR)' \
   $(if $(filter $(CURDIR)/%,$(ABS_WORKDIR)/),,-v '$(ABS_WORKDIR):$(ABS_WORKDIR)') \
-  -e PYTHONPATH='$(CURDIR)' -e HF_TOKEN -e QAI_HUB_API_TOKEN -e QNN_SDK_ROOT -e ADB_SERIAL
+  -e PYTHONPATH='$(CURDIR)' -e HF_TOKEN -e QAI_HUB_API_TOKEN -e QNN_SDK_ROOT -e ADB_SERIAL \
+  $(foreach v,$(sort $(filter G4V69_%,$(.VARIABLES))),-e $(v))
 
 # $(call g4v69,IMAGE): the command line that runs g4v69 for a stage, in its image or in the venv.
 ifeq ($(RUNNER),docker)
@@ -162,8 +163,8 @@ images: $(addprefix image-,$(IMAGES)) ## build every stage image offline from th
 
 $(addprefix image-,$(IMAGES)): image-%: $(BASE_DEP)
 	@if ! docker image inspect "$$(docker/image-tag.sh $* '$(BASE_REF)')" >/dev/null 2>&1; then \
-	  $(MAKE) --no-print-directory wheelhouse; fi
-	docker/build-image.sh $* '$(BASE_REF)' '$(WHEELHOUSE)'
+	  $(MAKE) --no-print-directory wheelhouse >&2; fi
+	@docker/build-image.sh $* '$(BASE_REF)' '$(WHEELHOUSE)' >&2
 
 venv: $(VENV)/.installed ## make .venv for RUNNER=local, offline from the wheelhouse
 $(VENV)/.installed: docker/local/requirements.lock pyproject.toml

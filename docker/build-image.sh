@@ -11,7 +11,7 @@ wheelhouse=${3:?}
 here=$(cd "$(dirname "$0")" && pwd)
 tag=$("$here/image-tag.sh" "$name" "$base")
 if docker image inspect "$tag" >/dev/null 2>&1; then
-  echo "image $tag: up to date (tag derives from its lock), reused"
+  echo "image $tag: up to date (tag derives from its lock), reused" >&2
   exit 0
 fi
 ctx=$(mktemp -d "${TMPDIR:-/tmp}/g4v69-ctx-$name.XXXXXX")

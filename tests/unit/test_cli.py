@@ -1,6 +1,7 @@
 import json
 
 import pytest
+from conftest import TINY_GEMMA4_CONFIG
 
 from stages import __version__
 
@@ -71,26 +72,7 @@ def test_plan_without_geometry_asks_for_download(g4v69):
 
 def test_plan_reads_a_checkpoint_config(g4v69, tmp_path):
     cfg = tmp_path / "config.json"
-    cfg.write_text(
-        json.dumps(
-            {
-                "text_config": {
-                    "hidden_size": 64,
-                    "num_hidden_layers": 4,
-                    "num_attention_heads": 2,
-                    "num_key_value_heads": 1,
-                    "head_dim": 16,
-                    "global_head_dim": 32,
-                    "vocab_size": 256,
-                    "intermediate_size": 128,
-                    "sliding_window": 8,
-                    "num_kv_shared_layers": 2,
-                    "hidden_size_per_layer_input": 8,
-                    "layer_types": ["sliding_attention", "full_attention"] * 2,
-                }
-            }
-        )
-    )
+    cfg.write_text(json.dumps(TINY_GEMMA4_CONFIG))
     r = g4v69("--preset", "tiny", "plan", "--json", "--checkpoint-config", str(cfg))
     assert r.exit_code == 0
     assert json.loads(r.output)["params"]["embedding"] == 256 * 64

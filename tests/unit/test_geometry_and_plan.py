@@ -3,6 +3,7 @@
 import itertools
 
 import pytest
+from conftest import TINY_GEMMA4_CONFIG
 
 from stages.config import load_config
 from stages.geometry import FULL, SLIDING, e2b_geometry, geometry_from_config
@@ -132,25 +133,7 @@ def test_more_shards_than_layers_is_an_error():
 
 
 def test_multimodal_config_with_text_config_is_read():
-    cfg = {
-        "model_type": "gemma4",
-        "text_config": {
-            "hidden_size": 64,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 16,
-            "global_head_dim": 32,
-            "vocab_size": 256,
-            "intermediate_size": 128,
-            "sliding_window": 8,
-            "num_kv_shared_layers": 2,
-            "use_double_wide_mlp": True,
-            "hidden_size_per_layer_input": 8,
-            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        },
-    }
-    geo = geometry_from_config(cfg)
+    geo = geometry_from_config(TINY_GEMMA4_CONFIG)
     assert [layer.kv_donor for layer in geo.layers] == [0, 1, 0, 1]
     assert [layer.intermediate_size for layer in geo.layers] == [128, 128, 256, 256]
     assert geo.ple_table.shape == (256, 32)

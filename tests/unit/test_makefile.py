@@ -87,9 +87,10 @@ def test_variables_become_cli_options():
 
 
 def test_docker_runner_passes_secrets_by_name_only():
-    r = make("-n", "plan", "RUNNER=docker", HF_TOKEN="hf_canary_dryrun_42")
+    r = make("-n", "plan", "RUNNER=docker", HF_TOKEN="hf_canary_dryrun_42", G4V69_PLE_POLICY="int8")
     assert r.returncode == 0, r.stderr
     assert "-e HF_TOKEN " in r.stdout and "--user" in r.stdout and "--cap-drop ALL" in r.stdout
+    assert "-e G4V69_PLE_POLICY" in r.stdout  # config env vars reach the container as well
     assert "hf_canary_dryrun_42" not in r.stdout + r.stderr
     assert "--privileged" not in r.stdout
 
