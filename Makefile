@@ -150,7 +150,7 @@ image-tag: ## print the tag of IMAGE's image (for scripts): make -s image-tag IM
 
 # ---- images, wheelhouse, venv ----
 base-image: ## build the Debian base image with debootstrap (for hosts without a registry)
-	docker/base/build-base.sh '$(DEBOOTSTRAP_BASE)'
+	@docker/base/build-base.sh '$(DEBOOTSTRAP_BASE)' >&2
 
 lock: ## regenerate docker/*/requirements.lock with uv (needs network)
 	$(if $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl),TORCH_FIND_LINKS=/opt/wheels) docker/lock.sh
@@ -162,6 +162,7 @@ wheelhouse: $(BASE_DEP) ## download every locked wheel (and the tools image's .d
 images: $(addprefix image-,$(IMAGES)) ## build every stage image offline from the wheelhouse
 
 $(addprefix image-,$(IMAGES)): image-%: $(BASE_DEP)
+	@docker info >/dev/null 2>&1 || { echo "error: no Docker engine answers; start dockerd, or use RUNNER=local (make venv)" >&2; exit 1; }
 	@if ! docker image inspect "$$(docker/image-tag.sh $* '$(BASE_REF)')" >/dev/null 2>&1; then \
 	  $(MAKE) --no-print-directory wheelhouse >&2; fi
 	@docker/build-image.sh $* '$(BASE_REF)' '$(WHEELHOUSE)' >&2

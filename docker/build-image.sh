@@ -14,6 +14,13 @@ if docker image inspect "$tag" >/dev/null 2>&1; then
   echo "image $tag: up to date (tag derives from its lock), reused" >&2
   exit 0
 fi
+if ! docker image inspect "$base" >/dev/null 2>&1; then
+  echo "base image $base not present; pulling it" >&2
+  docker pull "$base" >&2 || {
+    echo "error: cannot pull $base (no registry reachable?); build a base from Debian packages instead:" >&2
+    echo "  make base-image && make images BASE_IMAGE=debootstrap   (or export BASE_IMAGE=debootstrap)" >&2
+    exit 1; }
+fi
 ctx=$(mktemp -d "${TMPDIR:-/tmp}/g4v69-ctx-$name.XXXXXX")
 trap 'rm -rf "$ctx"' EXIT
 cp "$here/stage.Dockerfile" "$ctx/Dockerfile"

@@ -44,8 +44,26 @@ def docker_engine():
         pytest.skip(f"container tier skipped: {why}")
 
 
+OFFICIAL_BASE = "python:3.11-slim-bookworm"
+
+
 @pytest.fixture(scope="session")
-def images(docker_engine) -> dict[str, str]:
+def base_image(docker_engine) -> str:
+    """BASE_IMAGE as given; otherwise the official base if it can be had, else the debootstrap one."""
+    if os.environ.get("BASE_IMAGE"):
+        return os.environ["BASE_IMAGE"]
+    have = run(["docker", "image", "inspect", OFFICIAL_BASE]).returncode == 0
+    if not have:
+        try:
+            have = run(["docker", "pull", OFFICIAL_BASE], timeout=300).returncode == 0
+        except subprocess.TimeoutExpired:
+            have = False
+    os.environ["BASE_IMAGE"] = OFFICIAL_BASE if have else "debootstrap"
+    return os.environ["BASE_IMAGE"]
+
+
+@pytest.fixture(scope="session")
+def images(base_image) -> dict[str, str]:
     """Builds missing images (reusing those whose lock-derived tag exists); returns their tags."""
     r = make("images")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
