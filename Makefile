@@ -19,6 +19,8 @@ DECODE_AR     ?=
 NUM_SHARDS    ?=
 COMPILER      ?=
 PROMPT        ?= What is the capital of France?
+# A snapshot folder you already have: `make download FROM=DIR` imports it instead of downloading.
+FROM          ?=
 
 # ---- how and where things run ----
 RUNNER        ?= docker
@@ -63,6 +65,7 @@ ABS_WORKDIR = $(abspath $(WORKDIR))
 DOCKER_RUN = docker run --rm -i --user $$(id -u):$$(id -g) --cap-drop ALL \
   --security-opt no-new-privileges -v '$(CURDIR):$(CURDIR)' -w '$(CURDIR)' \
   $(if $(filter $(CURDIR)/%,$(ABS_WORKDIR)/),,-v '$(ABS_WORKDIR):$(ABS_WORKDIR)') \
+  $(if $(FROM),-v '$(abspath $(FROM)):$(abspath $(FROM)):ro') \
   -e PYTHONPATH='$(CURDIR)' -e HF_TOKEN -e QAI_HUB_API_TOKEN -e QNN_SDK_ROOT -e ADB_SERIAL \
   $(foreach v,$(sort $(filter G4V69_%,$(.VARIABLES))),-e $(v))
 
@@ -98,7 +101,7 @@ help: ## list the targets and variables
 	@echo
 	@echo "Variables (empty = the preset's value; see stages/presets/$(PRESET).toml):"
 	@echo "  PRESET=$(PRESET) MODEL MODEL_REVISION SOC PRECISION MAX_CONTEXT PREFILL_AR DECODE_AR"
-	@echo "  NUM_SHARDS COMPILER=local|aihub PROMPT RUNNER=docker|local WORKDIR=$(WORKDIR)"
+	@echo "  NUM_SHARDS COMPILER=local|aihub PROMPT FROM=DIR (import a snapshot) RUNNER=docker|local WORKDIR=$(WORKDIR)"
 	@echo "  BASE_IMAGE=$(BASE_IMAGE) (or 'debootstrap') WHEELHOUSE=$(WHEELHOUSE)"
 
 # ---- pipeline ----
@@ -108,7 +111,7 @@ $(STAMP_DIR)/%.json: FORCE | $(call RUNNER_DEP,tools)
 	@$(call g4v69,tools) stamp $* --output '$@'
 
 $(DOWNLOAD_REPORT): $(STAMP_DIR)/download.json | $(call RUNNER_DEP,export)
-	$(call g4v69,export) download
+	$(call g4v69,export) download $(call opt,from,$(if $(FROM),$(abspath $(FROM))))
 $(EXPORT_REPORT): $(DOWNLOAD_REPORT) $(STAMP_DIR)/export.json | $(call RUNNER_DEP,export)
 	$(call g4v69,export) export
 $(QUANTIZE_REPORT): $(EXPORT_REPORT) $(STAMP_DIR)/quantize.json | $(call RUNNER_DEP,quant)

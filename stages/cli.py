@@ -103,8 +103,6 @@ def _not_implemented(stage: str, issue: int):
 
 
 for _stage, _issue in (
-    ("download", 3),
-    ("export", 3),
     ("quantize", 4),
     ("compile", 5),
     ("bundle", 6),
@@ -113,6 +111,113 @@ for _stage, _issue in (
     ("run", 6),
 ):
     main.command(name=_stage)(_not_implemented(_stage, _issue))
+
+
+@main.command()
+@click.option(
+    "--from",
+    "from_dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    help="import a snapshot folder you already have instead of downloading (files are hard-linked)",
+)
+@click.pass_obj
+def download(obj: Context, from_dir: Path | None) -> None:
+    """Fetch the checkpoint (or make a built-in model) into checkpoints/<name>/, validated."""
+    from stages.download import DownloadError, run_download
+
+    cfg = obj.config
+    out = obj.checkpoint_dir()
+    try:
+        figures = run_download(cfg.model, cfg.model_revision, out, from_dir=from_dir)
+    except DownloadError as e:
+        raise UserError(str(e)) from None
+    click.echo(
+        f"{out}: {figures['files']} files, {figures['bytes'] / 1e9:.3f} GB, "
+        f"{figures['text_params'] / 1e6:.1f} M text params ({figures['source']})"
+    )
+
+
+@main.command()
+@click.pass_obj
+def export(obj: Context) -> None:
+    """Static-shape ONNX part graphs (prefill + decode) and the host LUTs into exported/."""
+    from stages.checkpoint import CheckpointError
+    from stages.export import ExportError, run_export
+
+    try:
+        report = run_export(obj.config, obj.workdir, obj.checkpoint_dir())
+    except (ExportError, CheckpointError) as e:
+        raise UserError(str(e)) from None
+    fig = report["figures"]
+    click.echo(
+        f"{obj.workdir / 'exported'}: {len(fig['graphs'])} graphs over {len(fig['parts'])} parts, "
+        f"{report['wall_s']:.1f} s, peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB"
+    )
+
+
+@main.command()
+@click.option("--prompt", required=True, help="the user turn")
+@click.option("--system", default=None, help="an optional system turn")
+@click.option("--raw", is_flag=True, help="send PROMPT as it is, without the chat template")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = off")
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--luts", is_flag=True, help="embed with the quantized Genie LUTs instead of the float tables")
+@click.option("--json", "as_json", is_flag=True, help="print tokens and figures as JSON")
+@click.pass_obj
+def generate(
+    obj: Context,
+    prompt: str,
+    system: str | None,
+    raw: bool,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    luts: bool,
+    as_json: bool,
+) -> None:
+    """Run a prompt through the exported graphs on the host (onnxruntime), as the phone would."""
+    from stages.chat import ChatError, ChatTokenizer
+    from stages.report import read_report
+    from stages.runner import HostRunner, RunnerError, Sampling
+
+    export_dir = obj.workdir / "exported"
+    if read_report(export_dir) is None:
+        raise UserError(f"{export_dir} holds no finished export; run `make export` first")
+    try:
+        runner = HostRunner.from_export(export_dir, luts=luts)
+        tok = ChatTokenizer(obj.checkpoint_dir())
+        ids = tok.encode(prompt) if raw else tok.chat_ids(prompt, system)
+        gen = runner.generate(
+            ids,
+            max_new_tokens,
+            tok.stop_ids(runner.geo.config.get("eos_token_id")),
+            Sampling(temperature, top_k, top_p, seed),
+        )
+    except (ChatError, RunnerError) as e:
+        raise UserError(str(e)) from None
+    text = tok.decode(gen.tokens)
+    figures = {
+        "prompt_tokens": len(ids),
+        "generated_tokens": len(gen.tokens),
+        "stopped_by": gen.stopped_by,
+        "prefill_tokens_per_s": round(gen.prefill_tokens_per_s, 2),
+        "decode_tokens_per_s": round(gen.decode_tokens_per_s, 2),
+    }
+    if as_json:
+        click.echo(json.dumps({"text": text, "tokens": gen.tokens, **figures}, indent=2))
+        return
+    click.echo(text)
+    click.echo(
+        f"[{figures['prompt_tokens']} prompt tokens at {figures['prefill_tokens_per_s']} tok/s, "
+        f"{figures['generated_tokens']} generated at {figures['decode_tokens_per_s']} tok/s; "
+        f"stopped by {gen.stopped_by}]",
+        err=True,
+    )
 
 
 DERIVED_VALUES = ("checkpoint_name", "kv_cache_bits")

@@ -31,6 +31,9 @@ E2B_TEXT_CONFIG: dict[str, Any] = {
     "vocab_size_per_layer_input": 262144,
     "final_logit_softcapping": 30.0,
     "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072,
+    "attention_k_eq_v": False,
     "tie_word_embeddings": True,
     "rope_parameters": {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -47,6 +50,29 @@ E2B_TEXT_CONFIG: dict[str, Any] = {
 E2B_TEXT_CONFIG["layer_types"] = [
     "full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(35)
 ]
+
+# The built-in tiny Gemma 4 (`--model tiny`): every feature of E2B at toy width. Sliding and full
+# layers with different head dims, a window (8) shorter than the test prompts, three KV-shared layers
+# whose donors are a sliding (1) and a full (2) layer, double-wide MLPs on the shared layers, PLE,
+# proportional partial RoPE on full layers, logit softcapping. The vocabulary is the built-in
+# byte-level tokenizer's: 6 special tokens + 256 bytes.
+TINY_TEXT_CONFIG: dict[str, Any] = {
+    **E2B_TEXT_CONFIG,
+    "vocab_size": 262,
+    "vocab_size_per_layer_input": 262,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    "num_kv_shared_layers": 3,
+    "hidden_size_per_layer_input": 8,
+    "max_position_embeddings": 1024,
+}
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -264,7 +290,11 @@ def e2b_geometry() -> Geometry:
 
 
 # Models whose geometry is known without a downloaded config.json (lower-cased names).
-KNOWN_GEOMETRIES = {"google/gemma-4-e2b-it": E2B_TEXT_CONFIG, "e2b-random": E2B_TEXT_CONFIG}
+KNOWN_GEOMETRIES = {
+    "google/gemma-4-e2b-it": E2B_TEXT_CONFIG,
+    "e2b-random": E2B_TEXT_CONFIG,
+    "tiny": TINY_TEXT_CONFIG,
+}
 
 
 def builtin_geometry(model: str) -> Geometry | None:

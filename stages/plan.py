@@ -100,12 +100,26 @@ def kv_cache_bytes(geo: Geometry, cfg: PipelineConfig, windowed: bool = True) ->
     return total
 
 
+def part_extras(geo: Geometry) -> tuple[list[Tensor], list[Tensor]]:
+    """Weights outside the decoder layers: the PLE projection rides with the first part, the final
+    norm and the lm_head (the tied embedding, an explicit weight in the graph) with the last."""
+    return list(geo.ple_projection), [geo.final_norm, geo.embedding]
+
+
+def part_layers(geo: Geometry, cfg: PipelineConfig) -> list[range]:
+    """The decoder layers of each part, balanced by weight bytes at the config's precision.
+
+    The export cuts its graphs here too, so the plan prices exactly what gets built.
+    """
+    head, tail = part_extras(geo)
+    layer_bytes = [tensor_bytes(list(layer.tensors), cfg) for layer in geo.layers]
+    return partition_layers(layer_bytes, cfg.num_shards, tensor_bytes(head, cfg), tensor_bytes(tail, cfg))
+
+
 def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
     soc = cfg.soc_info
-    layer_bytes = [tensor_bytes(list(layer.tensors), cfg) for layer in geo.layers]
-    head = list(geo.ple_projection)
-    tail = [geo.final_norm, geo.embedding]  # the lm_head is the tied embedding
-    bounds = partition_layers(layer_bytes, cfg.num_shards, tensor_bytes(head, cfg), tensor_bytes(tail, cfg))
+    head, tail = part_extras(geo)
+    bounds = part_layers(geo, cfg)
 
     parts: list[PartPlan] = []
     for i, layer_range in enumerate(bounds, start=1):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -51,3 +52,56 @@ def g4v69(tmp_path):
         return result
 
     return invoke
+
+
+# ---- the container tier: a Docker engine (or a visible skip), the base image, the stage images ----
+STAGE_IMAGES = ("export", "quant", "quant-rocm", "compile", "tools")
+
+
+def make(*args: str, env: dict[str, str] | None = None, timeout: int = 1800):
+    return run(["make", "--no-print-directory", *args], env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def docker_engine():
+    why = None
+    if shutil.which("docker") is None:
+        why = "no docker client on PATH"
+    elif run(["docker", "info", "--format", "{{.ServerVersion}}"], timeout=60).returncode != 0:
+        why = "no Docker engine answers (start dockerd)"
+    if why:
+        if os.environ.get("G4V69_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"container tier is required (G4V69_REQUIRE_DOCKER=1) but {why}")
+        pytest.skip(f"container tier skipped: {why}")
+
+
+OFFICIAL_BASE = "python:3.11-slim-bookworm"
+
+
+@pytest.fixture(scope="session")
+def base_image(docker_engine) -> str:
+    """BASE_IMAGE as given; otherwise the official base if it can be had, else the debootstrap one."""
+    if os.environ.get("BASE_IMAGE"):
+        return os.environ["BASE_IMAGE"]
+    have = run(["docker", "image", "inspect", OFFICIAL_BASE]).returncode == 0
+    if not have:
+        try:
+            have = run(["docker", "pull", OFFICIAL_BASE], timeout=300).returncode == 0
+        except subprocess.TimeoutExpired:
+            have = False
+    os.environ["BASE_IMAGE"] = OFFICIAL_BASE if have else "debootstrap"
+    return os.environ["BASE_IMAGE"]
+
+
+@pytest.fixture(scope="session")
+def images(base_image) -> dict[str, str]:
+    """Builds missing images (reusing those whose lock-derived tag exists); returns their tags."""
+    r = make("images")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    tags = {}
+    for name in STAGE_IMAGES:
+        t = make("-s", "image-tag", f"IMAGE={name}")
+        assert t.returncode == 0, t.stderr
+        tags[name] = t.stdout.strip()
+        assert run(["docker", "image", "inspect", tags[name]]).returncode == 0
+    return tags

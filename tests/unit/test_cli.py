@@ -4,8 +4,11 @@ import pytest
 from conftest import TINY_GEMMA4_CONFIG
 
 from stages import __version__
+from stages.cli import main
 
 STAGE_COMMANDS = ["download", "export", "quantize", "compile", "bundle", "verify", "push", "run"]
+# Stages still waiting for their issue answer with the not-implemented stub.
+UNBUILT_STAGES = [s for s in STAGE_COMMANDS if "(not implemented yet)" in (main.commands[s].help or "")]
 
 
 def test_version(g4v69):
@@ -13,11 +16,15 @@ def test_version(g4v69):
     assert r.exit_code == 0 and __version__ in r.output
 
 
-@pytest.mark.parametrize("stage", STAGE_COMMANDS)
+def test_every_stage_has_a_command():
+    assert set(STAGE_COMMANDS) <= set(main.commands)
+    assert "download" not in UNBUILT_STAGES and "export" not in UNBUILT_STAGES
+
+
+@pytest.mark.parametrize("stage", UNBUILT_STAGES)
 def test_unbuilt_stages_refuse_in_one_line_and_write_nothing(g4v69, stage):
     r = g4v69(stage)
-    if "not implemented yet" not in r.output:
-        pytest.skip(f"{stage} is implemented")
+    assert "not implemented yet" in r.output
     assert r.exit_code != 0
     assert len(r.output.strip().splitlines()) == 1
     assert r.files == []
@@ -66,8 +73,14 @@ def test_env_vars_override_too(g4v69):
 
 
 def test_plan_without_geometry_asks_for_download(g4v69):
-    r = g4v69("--model", "tiny", "plan")
-    assert r.exit_code == 2 and "make download MODEL=tiny" in r.output
+    r = g4v69("--model", "someone/other-gemma", "plan")
+    assert r.exit_code == 2 and "make download MODEL=someone/other-gemma" in r.output
+
+
+def test_plan_knows_the_builtin_tiny_geometry(g4v69):
+    r = g4v69("--preset", "tiny", "plan", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["params"]["embedding"] == 262 * 64
 
 
 def test_plan_reads_a_checkpoint_config(g4v69, tmp_path):

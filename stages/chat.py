@@ -1,0 +1,94 @@
+"""Gemma 4 prompts: the checkpoint's tokenizer, its chat template and its stop tokens.
+
+The template is rendered with Jinja2 the way transformers' apply_chat_template does (trim_blocks,
+lstrip_blocks, raise_exception), so the host runner sees the exact token ids Genie's template gives.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# An -it model ends its turn with <turn|>, almost never with the bare <eos> (FACTS.md s.1).
+END_OF_TURN = "<turn|>"
+
+
+class ChatError(ValueError):
+    pass
+
+
+def chat_template(checkpoint_dir: Path) -> str:
+    jinja = checkpoint_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    cfg = checkpoint_dir / "tokenizer_config.json"
+    template = json.loads(cfg.read_text()).get("chat_template") if cfg.is_file() else None
+    if not isinstance(template, str):
+        raise ChatError(
+            f"{checkpoint_dir} has no chat template (chat_template.jinja or tokenizer_config.json)"
+        )
+    return template
+
+
+def render_chat(checkpoint_dir: Path, prompt: str, system: str | None = None) -> str:
+    """The text of a one-turn conversation, ending where the model's answer starts."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    tok_cfg_path = checkpoint_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    special = {k: _token_text(tok_cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
+    return env.from_string(chat_template(checkpoint_dir)).render(
+        messages=messages, add_generation_prompt=True, **special
+    )
+
+
+def _token_text(value: object) -> str:
+    if isinstance(value, dict):  # transformers may store AddedToken dicts
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
+
+
+class ChatTokenizer:
+    def __init__(self, checkpoint_dir: Path):
+        from tokenizers import Tokenizer
+
+        path = checkpoint_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ChatError(f"{path} is missing; the checkpoint has no tokenizer")
+        self.dir = checkpoint_dir
+        self.tokenizer = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        # The rendered template already holds <bos>; the tokenizer must not add another.
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def chat_ids(self, prompt: str, system: str | None = None) -> list[int]:
+        return self.encode(render_chat(self.dir, prompt, system))
+
+    def token_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    def stop_ids(self, eos_token_id: int | list[int] | None) -> set[int]:
+        ids = set(
+            eos_token_id
+            if isinstance(eos_token_id, list)
+            else [eos_token_id]
+            if eos_token_id is not None
+            else []
+        )
+        turn_end = self.token_id(END_OF_TURN)
+        if turn_end is not None:
+            ids.add(turn_end)
+        return ids

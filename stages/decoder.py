@@ -1,0 +1,235 @@
+"""One part of the Gemma 4 text decoder as a static-shape torch module with the Genie I/O contract.
+
+Numerics follow transformers' Gemma4TextModel (FACTS.md s.1) with the caches turned into graph
+inputs and outputs: keys are stored transposed (head_dim x slots) and after RoPE, so a cache slot
+never needs re-rotation; KV-shared layers read their donor's whole K/V; the per-layer-embedding
+projection runs in the first part; logit softcapping runs in the last. RMSNorm and tanh-GELU use the
+fused torch ops, which export to ONNX RMSNormalization (opset 23) and Gelu: quantization and the
+HTP both prefer them to the decomposed x^2 / x^3 forms.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from stages.contract import PER_LAYER_EMBEDS, GraphSpec, cache_name, hidden_name, kvshare_name
+from stages.geometry import FULL, Geometry, Layer
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (1,T,heads,D); cos/sin (1,1,T,D/2) as the graph receives them. Same as HF's rotate_half form."""
+    cos = cos.transpose(1, 2)  # (1,T,1,D/2)
+    sin = sin.transpose(1, 2)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.detach().to(torch.float32), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, geo: Geometry, layer: Layer, weights: dict[str, torch.Tensor]):
+        super().__init__()
+        self.index = layer.index
+        self.attention = layer.attention
+        self.owns_kv = layer.owns_kv
+        self.head_dim = layer.head_dim
+        self.n_heads = geo.num_attention_heads
+        self.n_kv = geo.num_kv_heads
+        self.eps = geo.config.get("rms_norm_eps", 1e-6)
+        p = f"layers.{layer.index}."
+        for t in layer.tensors:
+            # Parameter names mirror the checkpoint's, so graph initializers are recognisable.
+            *path, attr = t.name.removeprefix(p).split(".")
+            owner: nn.Module = self
+            for name in path:
+                if name not in owner._modules:
+                    owner.add_module(name, nn.Module())
+                owner = owner._modules[name]
+            owner.register_parameter(attr, _param(weights[t.name]))
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        ple: torch.Tensor | None,
+        mask: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor] | None,
+        shared_kv: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
+        """Returns the new hidden state, the attention's whole K/V (for KV-shared layers) and the new
+        cache entries (key (1,kv,D,T), value (1,kv,T,D)) for owner layers."""
+        t = h.shape[1]
+        d, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        attn, mlp = self.self_attn, self.mlp
+        x = rms_norm(h, self.input_layernorm.weight, self.eps)
+        q = F.linear(x, attn.q_proj.weight).view(1, t, nh, d)
+        q = apply_rope(rms_norm(q, attn.q_norm.weight, self.eps), cos, sin)
+        new_kv = None
+        if self.owns_kv:
+            k = F.linear(x, attn.k_proj.weight).view(1, t, nkv, d)
+            k = apply_rope(rms_norm(k, attn.k_norm.weight, self.eps), cos, sin)
+            v = rms_norm(F.linear(x, attn.v_proj.weight).view(1, t, nkv, d), None, self.eps)
+            new_k = k.permute(0, 2, 3, 1)  # (1,kv,D,T)
+            new_v = v.transpose(1, 2)  # (1,kv,T,D)
+            past_k, past_v = cache
+            keys = torch.cat((past_k, new_k), dim=-1)
+            values = torch.cat((past_v, new_v), dim=-2)
+            new_kv = (new_k, new_v)
+        else:
+            keys, values = shared_kv
+        # Query heads are grouped by the KV head they read (HF's repeat_kv order).
+        groups = nh // nkv
+        qg = q.transpose(1, 2).reshape(1, nkv, groups * t, d)
+        scores = torch.matmul(qg, keys).reshape(1, nh, t, -1)  # attention scaling is 1.0 in Gemma 4
+        probs = torch.softmax(scores + mask, dim=-1).reshape(1, nkv, groups * t, -1)
+        out = torch.matmul(probs, values).reshape(1, nh, t, d).transpose(1, 2).reshape(1, t, nh * d)
+        out = F.linear(out, attn.o_proj.weight)
+        h = h + rms_norm(out, self.post_attention_layernorm.weight, self.eps)
+
+        x = rms_norm(h, self.pre_feedforward_layernorm.weight, self.eps)
+        x = F.linear(
+            F.gelu(F.linear(x, mlp.gate_proj.weight), approximate="tanh") * F.linear(x, mlp.up_proj.weight),
+            mlp.down_proj.weight,
+        )
+        h = h + rms_norm(x, self.post_feedforward_layernorm.weight, self.eps)
+
+        if ple is not None:
+            g = F.gelu(F.linear(h, self.per_layer_input_gate.weight), approximate="tanh") * ple
+            g = F.linear(g, self.per_layer_projection.weight)
+            h = h + rms_norm(g, self.post_per_layer_input_norm.weight, self.eps)
+        return h * self.layer_scalar, (keys, values), new_kv
+
+
+class DecoderPart(nn.Module):
+    """The graph `spec` describes. forward() takes the spec's inputs in order, returns its outputs."""
+
+    def __init__(self, geo: Geometry, spec: GraphSpec, weights: dict[str, torch.Tensor]):
+        super().__init__()
+        self.geo = geo
+        self.spec = spec
+        self.eps = geo.config.get("rms_norm_eps", 1e-6)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(geo, geo.layers[i], weights) for i in spec.layers})
+        if spec.is_first and geo.ple_dim:
+            self.per_layer_model_projection = _param(weights["per_layer_model_projection.weight"])
+            self.per_layer_projection_norm = _param(weights["per_layer_projection_norm.weight"])
+        if spec.is_last:
+            self.norm = _param(weights["norm.weight"])
+            # An explicit, untied copy: quantization must see the lm_head as a weight (FACTS.md s.5).
+            self.lm_head = _param(weights["embed_tokens.weight"])
+        self.softcap = geo.config.get("final_logit_softcapping")
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        spec, geo = self.spec, self.geo
+        x = {s.name: v for s, v in zip(spec.inputs, inputs, strict=True)}
+        out: dict[str, torch.Tensor] = {}
+        if spec.is_first:
+            h = x["inputs_embeds"]
+            ple = None
+            if geo.ple_dim:
+                proj = F.linear(h, self.per_layer_model_projection) * (geo.hidden_size**-0.5)
+                proj = rms_norm(
+                    proj.reshape(1, h.shape[1], geo.num_layers, geo.ple_dim),
+                    self.per_layer_projection_norm,
+                    self.eps,
+                )
+                ple = (proj + x["per_layer_inputs"]) * (2.0**-0.5)
+                if PER_LAYER_EMBEDS in {o.name for o in spec.outputs}:
+                    out[PER_LAYER_EMBEDS] = ple
+        else:
+            h = x[hidden_name(spec.layers[0])]
+            ple = x.get(PER_LAYER_EMBEDS)
+
+        shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name in x:
+            if name.startswith("kvshare_key_"):
+                donor = int(name.rsplit("_", 1)[1])
+                shared[donor] = (x[name], x[kvshare_name(donor, "value")])
+        n_kv = geo.num_kv_heads
+        for i in spec.layers:
+            layer = self.layers[str(i)]
+            full = layer.attention == FULL
+            mask = x["attention_mask" if full else "swa_attention_mask"]
+            cos = x["position_ids_cos" if full else "swa_position_ids_cos"]
+            sin = x["position_ids_sin" if full else "swa_position_ids_sin"]
+            cache = None
+            if layer.owns_kv:
+                names = [
+                    cache_name(i, layer.attention, w, hd, "in")
+                    for w in ("key", "value")
+                    for hd in range(n_kv)
+                ]
+                cache = (
+                    torch.cat([x[n] for n in names[:n_kv]], dim=1),
+                    torch.cat([x[n] for n in names[n_kv:]], dim=1),
+                )
+            donor = geo.layers[i].kv_donor
+            h, kv, new = layer(
+                h, ple[:, :, i, :] if ple is not None else None, mask, cos, sin, cache, shared.get(donor)
+            )
+            if layer.owns_kv:
+                shared[i] = kv
+                for hd in range(n_kv):
+                    out[cache_name(i, layer.attention, "key", hd, "out")] = new[0][:, hd : hd + 1]
+                    out[cache_name(i, layer.attention, "value", hd, "out")] = new[1][:, hd : hd + 1]
+            if kvshare_name(i, "key") in {o.name for o in spec.outputs}:
+                out[kvshare_name(i, "key")], out[kvshare_name(i, "value")] = kv
+
+        if spec.is_last:
+            logits = F.linear(rms_norm(h, self.norm, self.eps), self.lm_head)
+            if self.softcap:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            out["logits"] = logits
+        else:
+            out[hidden_name(spec.layers[-1] + 1)] = h
+        return tuple(out[o.name] for o in spec.outputs)
+
+
+def part_weight_names(geo: Geometry, spec: GraphSpec) -> list[str]:
+    """The checkpoint tensors (relative to the language model) one part needs."""
+    names = [t.name for i in spec.layers for t in geo.layers[i].tensors]
+    if spec.is_first:
+        names += [t.name for t in geo.ple_projection]
+    if spec.is_last:
+        names += [geo.final_norm.name, geo.embedding.name]
+    return names
+
+
+def rope_tables(geo: Geometry, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """cos/sin for the given absolute positions, shaped (1,1,T,D/2), for both attention kinds.
+
+    Full layers use "proportional" RoPE: the table is global_head_dim/2 wide but only the first
+    partial_rotary_factor of the frequencies are real, the rest are zero (cos 1, sin 0), which is the
+    layout Genie's proportional rope-scaling expects.
+    """
+    cfg = geo.config
+    rope = cfg["rope_parameters"]
+    out: dict[str, torch.Tensor] = {}
+    for prefix, kind, dim in (
+        ("", "full_attention", cfg["global_head_dim"]),
+        ("swa_", "sliding_attention", cfg["head_dim"]),
+    ):
+        params = rope[kind]
+        inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        if params.get("rope_type") == "proportional":
+            rotating = int(params.get("partial_rotary_factor", 1.0) * dim // 2)
+            inv[rotating:] = 0.0
+        freqs = positions.to(torch.float32)[:, None] * inv[None, :]
+        out[f"{prefix}position_ids_cos"] = freqs.cos()[None, None]
+        out[f"{prefix}position_ids_sin"] = freqs.sin()[None, None]
+    return out
+
+
+def embed_scale(dim: int) -> float:
+    return math.sqrt(dim)

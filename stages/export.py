@@ -1,0 +1,233 @@
+"""The export stage: a downloaded checkpoint -> static-shape ONNX part graphs + host LUTs in exported/.
+
+For each part (layers balanced by weight bytes, `stages.plan.part_layers`, the same split the plan
+prices) the part's weights are read from the memory-mapped safetensors as float32, every graph kind
+(prefill AR-N, decode AR-1) is exported with torch.onnx (dynamo, opset 23: fused RMSNormalization
+and Gelu), checked against the torch module with onnxruntime, and the weights are dropped before the
+next part: at most one part's weights are ever held in float32.
+
+The host LUTs are written in Genie's formats: the token embedding (times sqrt(hidden)) as ufixed16
+and the per-layer token table (times sqrt(ple_dim)) as ufixed8 or ufixed16, each with one scale and
+offset (real = (q + offset) * scale), quantized in row blocks so memory stays flat.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stages.checkpoint import Checkpoint
+from stages.config import PipelineConfig, stage_fields
+from stages.contract import ATTENTION_MASK_MIN, GraphSpec, graph_specs
+from stages.geometry import Geometry
+from stages.report import REPORT_NAME, read_report, stage_output
+from stages.runner import LutSpec
+
+OPSET = 23
+# Graphs whose weights exceed this keep them in a side file (ONNX protobufs stop at 2 GiB).
+EXTERNAL_DATA_BYTES = 512 << 20
+LUT_BLOCK_ROWS = 8192
+# ONNX vs torch on random inputs; float32 graphs should agree to rounding.
+CHECK_TOLERANCE = 1e-3
+
+
+class ExportError(ValueError):
+    pass
+
+
+def _example_inputs(spec: GraphSpec, seed: int) -> list:
+    """Inputs with realistic ranges: masks 0 (everything visible), RoPE in [-1, 1], the rest normal."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in spec.inputs:
+        if "mask" in t.name:
+            out.append(torch.zeros(t.shape))
+        elif "position_ids" in t.name:
+            out.append(torch.rand(t.shape, generator=g) * 2 - 1)
+        else:
+            out.append(torch.randn(t.shape, generator=g))
+    return out
+
+
+def export_graph(geo: Geometry, spec: GraphSpec, weights: dict, path: Path) -> dict[str, Any]:
+    """One graph to ONNX at `path`, checked with onnxruntime; returns figures for the report."""
+    import onnxruntime as ort
+    import torch
+
+    from stages.decoder import DecoderPart
+
+    module = DecoderPart(geo, spec, weights).eval()
+    params = sum(p.numel() for p in module.parameters())
+    example = _example_inputs(spec, seed=spec.part)
+    t0 = time.perf_counter()
+    # The exporter logs a line per missing torchvision op and deprecation chatter; none of it is ours.
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module,
+            tuple(example),
+            dynamo=True,
+            opset_version=OPSET,
+            input_names=[t.name for t in spec.inputs],
+            output_names=[t.name for t in spec.outputs],
+            optimize=True,
+            verbose=False,
+        )
+    external = params * 4 > EXTERNAL_DATA_BYTES
+    program.save(str(path), external_data=external)
+    export_s = time.perf_counter() - t0
+    del program
+
+    with torch.no_grad():
+        expected = [o.numpy() for o in module(*example)]
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    if names != [t.name for t in spec.inputs]:
+        raise ExportError(
+            f"{path.name}: graph inputs {names} differ from the contract's {[t.name for t in spec.inputs]}"
+        )
+    got = session.run(
+        [o.name for o in spec.outputs], {t.name: x.numpy() for t, x in zip(spec.inputs, example, strict=True)}
+    )
+    worst = 0.0
+    for o, a, b in zip(spec.outputs, got, expected, strict=True):
+        if a.shape != tuple(o.shape):
+            raise ExportError(
+                f"{path.name}: output {o.name} has shape {a.shape}, the contract says {o.shape}"
+            )
+        worst = max(worst, float(np.abs(a - b).max() / max(1.0, float(np.abs(b).max()))))
+    if worst > CHECK_TOLERANCE:
+        raise ExportError(f"{path.name}: onnxruntime and torch disagree (relative error {worst:.2e})")
+    del session, module
+    return {
+        "params": params,
+        "export_s": round(export_s, 3),
+        "onnx_vs_torch_rel_error": worst,
+        "external_data": external,
+        # The graph file plus its external-data file, when there is one.
+        "bytes": sum(f.stat().st_size for f in path.parent.glob(f"{path.name}*")),
+    }
+
+
+def _encoding(lo: float, hi: float, bits: int) -> tuple[float, int]:
+    qmax = (1 << bits) - 1
+    scale = (hi - lo) / qmax if hi > lo else 1.0
+    return scale, int(round(lo / scale))
+
+
+def write_lut(ckpt: Checkpoint, name: str, multiplier: float, bits: int, path: Path) -> LutSpec:
+    """Quantize a checkpoint table (times `multiplier`) to one global ufixed encoding, streaming."""
+    from tqdm import tqdm
+
+    rows, size = next(t.shape for t in ckpt.geometry.all_tensors() if t.name == name)
+    blocks = range(0, rows, LUT_BLOCK_ROWS)
+    lo, hi = np.inf, -np.inf
+    for start in tqdm(blocks, desc=f"{name}: range", unit="block", leave=False):
+        block = ckpt.rows(name, start, min(rows, start + LUT_BLOCK_ROWS)).numpy() * np.float32(multiplier)
+        lo, hi = min(lo, float(block.min())), max(hi, float(block.max()))
+    scale, offset = _encoding(lo, hi, bits)
+    dtype = np.uint16 if bits == 16 else np.uint8
+    with open(path, "wb") as f:
+        for start in tqdm(blocks, desc=f"{name}: ufixed{bits}", unit="block", leave=False):
+            block = ckpt.rows(name, start, min(rows, start + LUT_BLOCK_ROWS)).numpy() * np.float32(multiplier)
+            q = np.rint(block.astype(np.float64) / scale - offset)
+            np.clip(q, 0, (1 << bits) - 1).astype(dtype).tofile(f)
+    return LutSpec(path=path.name, rows=rows, size=size, bits=bits, scale=scale, offset=offset)
+
+
+def _relative(path: Path, root: Path) -> str:
+    """Paths in reports are relative to the work folder, so a report does not depend on where it ran."""
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
+    """The whole stage; returns the report. Raises ExportError (or CheckpointError) on bad input,
+    leaving no output folder behind."""
+    from tqdm import tqdm
+
+    from stages.graphs import PartitionError
+    from stages.plan import part_layers
+
+    if read_report(checkpoint_dir) is None:
+        raise ExportError(
+            f"{checkpoint_dir} is not a complete download (no {REPORT_NAME}); run `make download` first"
+        )
+    ckpt = Checkpoint(checkpoint_dir)
+    geo = ckpt.geometry
+    try:
+        parts = part_layers(geo, cfg)
+        specs = graph_specs(geo, cfg, parts)
+    except (PartitionError, ValueError) as e:
+        raise ExportError(str(e)) from None
+    weight_files = sorted(set(ckpt.files.values()))
+    missing = [t.name for t in geo.all_tensors() if ckpt.prefix + t.name not in ckpt.files]
+    if missing:
+        raise ExportError(f"{checkpoint_dir}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
+
+    out_dir = workdir / "exported"
+    options = {"model": cfg.model, **{k: getattr(cfg, k) for k in stage_fields("export")}}
+    inputs = [checkpoint_dir / "config.json", *weight_files]
+    from stages.decoder import part_weight_names
+
+    with stage_output("export", out_dir, inputs, options, root=workdir) as run:
+        graphs: list[dict[str, Any]] = []
+        progress = tqdm(total=len(specs), desc="export graphs", unit="graph")
+        for p in range(len(parts)):
+            part_specs = [s for s in specs if s.part == p + 1]
+            weights = {n: ckpt.tensor(n) for n in part_weight_names(geo, part_specs[0])}
+            for spec in part_specs:
+                path = run.dir / f"{spec.name}.onnx"
+                figures = export_graph(geo, spec, weights, path)
+                graphs.append({"name": spec.name, "onnx": path.name, "spec": spec.to_dict(), **figures})
+                progress.update(1)
+            del weights
+            gc.collect()
+        progress.close()
+
+        lut_dir = run.dir / "luts"
+        lut_dir.mkdir()
+        luts = {
+            "embedding": write_lut(
+                ckpt, geo.embedding.name, geo.hidden_size**0.5, 16, lut_dir / "embedding_ufixed16.bin"
+            )
+        }
+        if geo.ple_table is not None:
+            bits = cfg.ple_lut_bits
+            luts["per_layer_embedding"] = write_lut(
+                ckpt,
+                geo.ple_table.name,
+                geo.ple_dim**0.5,
+                bits,
+                lut_dir / f"per_layer_embedding_ufixed{bits}.bin",
+            )
+        run.figures.update(
+            {
+                "checkpoint_dir": _relative(checkpoint_dir, workdir),
+                "opset": OPSET,
+                "attention_mask_min": ATTENTION_MASK_MIN,
+                "parts": [
+                    {
+                        "part": i + 1,
+                        "layers": list(r),
+                        "params": next(g["params"] for g in graphs if g["spec"]["part"] == i + 1),
+                    }
+                    for i, r in enumerate(parts)
+                ],
+                "graphs": graphs,
+                "luts": {k: {**asdict(v), "path": f"luts/{v.path}"} for k, v in luts.items()},
+            }
+        )
+    return read_report(out_dir)

@@ -1,0 +1,371 @@
+"""The host reference runner: drives the exported part graphs with onnxruntime (CPU) the way Genie
+drives the context binaries on the phone.
+
+Token ids become `inputs_embeds` and `per_layer_inputs` by LUT lookup (the float checkpoint tables,
+or the quantized Genie LUT files); the prompt is prefilled in chunks of the prefill graph's AR (the
+last chunk padded and masked), then decoding runs one graph call per token. Full-attention caches
+are linear buffers (slot = position); sliding-window caches are ring buffers of `window` slots
+(slot = position mod window), so the masks are what decides visibility, as in Genie's cache groups.
+Export tests, quantize calibration and verify all use this one runner.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from stages.contract import ATTENTION_MASK_MIN, GraphSpec, cache_name
+from stages.geometry import FULL, Geometry
+
+
+class RunnerError(RuntimeError):
+    pass
+
+
+# ---- embeddings ----
+class Embedder(Protocol):
+    def __call__(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """ids (T,) -> inputs_embeds (T,H) and per_layer_inputs (T,L,P) (None without PLE), float32."""
+        ...
+
+
+class CheckpointEmbedder:
+    """Exact float embeddings read row by row from the checkpoint's safetensors (memory-mapped)."""
+
+    def __init__(self, checkpoint):
+        from stages.checkpoint import Checkpoint
+
+        self.ckpt: Checkpoint = checkpoint
+        geo = checkpoint.geometry
+        self.geo = geo
+        self._cache: dict[tuple[str, int], np.ndarray] = {}
+
+    def _row(self, name: str, i: int) -> np.ndarray:
+        key = (name, i)
+        if key not in self._cache:
+            self._cache[key] = self.ckpt.rows(name, i, i + 1).numpy()[0]
+        return self._cache[key]
+
+    def __call__(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        geo = self.geo
+        emb = np.stack([self._row("embed_tokens.weight", int(i)) for i in ids]) * np.float32(
+            geo.hidden_size**0.5
+        )
+        if not geo.ple_dim:
+            return emb.astype(np.float32), None
+        ple = np.stack([self._row("embed_tokens_per_layer.weight", int(i)) for i in ids])
+        ple = (ple * np.float32(geo.ple_dim**0.5)).reshape(len(ids), geo.num_layers, geo.ple_dim)
+        return emb.astype(np.float32), ple.astype(np.float32)
+
+
+@dataclass(frozen=True)
+class LutSpec:
+    """One Genie LUT file: rows of `size` unsigned `bits`-bit values; real = (q + offset) * scale."""
+
+    path: str
+    rows: int
+    size: int
+    bits: int
+    scale: float
+    offset: int
+
+    @property
+    def dtype(self) -> type:
+        return np.uint16 if self.bits == 16 else np.uint8
+
+    @property
+    def datatype(self) -> str:
+        return f"ufixed{self.bits}"
+
+
+class LutEmbedder:
+    """Embeddings from the exported Genie LUT files, dequantized exactly as Genie does."""
+
+    def __init__(self, geo: Geometry, base: Path, luts: dict[str, LutSpec]):
+        self.geo = geo
+        self.tables = {
+            k: np.memmap(base / v.path, dtype=v.dtype, mode="r", shape=(v.rows, v.size))
+            for k, v in luts.items()
+        }
+        self.specs = luts
+
+    def _lookup(self, key: str, ids: np.ndarray) -> np.ndarray:
+        spec = self.specs[key]
+        q = np.asarray(self.tables[key][ids], dtype=np.float32)
+        return ((q + np.float32(spec.offset)) * np.float32(spec.scale)).astype(np.float32)
+
+    def __call__(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        emb = self._lookup("embedding", ids)
+        if "per_layer_embedding" not in self.specs:
+            return emb, None
+        ple = self._lookup("per_layer_embedding", ids).reshape(
+            len(ids), self.geo.num_layers, self.geo.ple_dim
+        )
+        return emb, ple
+
+
+# ---- sampling ----
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int = 0
+
+    def picker(self) -> Callable[[np.ndarray], int]:
+        rng = np.random.default_rng(self.seed)
+
+        def pick(logits: np.ndarray) -> int:
+            if self.temperature <= 0:
+                return int(np.argmax(logits))
+            z = logits.astype(np.float64) / self.temperature
+            order = np.argsort(-z, kind="stable")
+            if self.top_k > 0:
+                order = order[: self.top_k]
+            p = np.exp(z[order] - z[order[0]])
+            p /= p.sum()
+            if self.top_p < 1.0:
+                keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1)
+                order, p = order[:keep], p[:keep] / p[:keep].sum()
+            return int(rng.choice(order, p=p))
+
+        return pick
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)  # one (V,) row per prompt and generated position
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stopped_by: str = "max_new_tokens"
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return len(self.prompt_ids) / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return max(len(self.tokens) - 1, 0) / self.decode_s if self.decode_s else 0.0
+
+
+# ---- the chain ----
+class _Caches:
+    """KV caches for the owner layers, in the graphs' layouts, one entry per KV head."""
+
+    def __init__(self, geo: Geometry, context: int):
+        self.geo = geo
+        self.window = geo.sliding_window
+        self.keys: dict[int, np.ndarray] = {}
+        self.values: dict[int, np.ndarray] = {}
+        for layer in geo.layers:
+            if layer.owns_kv:
+                slots = context if layer.attention == FULL else self.window
+                self.keys[layer.index] = np.zeros((geo.num_kv_heads, layer.head_dim, slots), np.float32)
+                self.values[layer.index] = np.zeros((geo.num_kv_heads, slots, layer.head_dim), np.float32)
+        # Absolute position held by each sliding-window slot (-1: empty).
+        self.swa_positions = np.full(self.window, -1, np.int64)
+
+    def write(self, layer: int, attention: str, start: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """keys (kv,D,n) and values (kv,n,D) for positions start..start+n-1."""
+        n = keys.shape[-1]
+        if attention == FULL:
+            self.keys[layer][:, :, start : start + n] = keys
+            self.values[layer][:, start : start + n] = values
+        else:
+            for j in range(max(0, n - self.window), n):
+                slot = (start + j) % self.window
+                self.keys[layer][:, :, slot] = keys[:, :, j]
+                self.values[layer][:, slot] = values[:, j]
+
+
+class HostRunner:
+    """Runs prompts through the graphs of one export: `graphs` maps role -> the part specs and
+    their ONNX files, in part order."""
+
+    def __init__(
+        self,
+        geo: Geometry,
+        graphs: dict[str, list[tuple[GraphSpec, Path]]],
+        embedder: Embedder,
+        pad_token_id: int = 0,
+        threads: int = 0,
+    ):
+        import onnxruntime as ort
+
+        self.geo = geo
+        self.graphs = graphs
+        self.embed = embedder
+        self.pad = pad_token_id
+        self.context = next(iter(graphs.values()))[0][0].context
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        self._sessions = {
+            path: ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+            for parts in graphs.values()
+            for _, path in parts
+        }
+        self.reset()
+
+    @classmethod
+    def from_export(cls, export_dir: Path, luts: bool = False, **kw) -> HostRunner:
+        """A runner over exported/ (its report.json lists the graphs), with the checkpoint's float
+        embeddings, or with the quantized Genie LUTs when `luts`."""
+        from stages.checkpoint import Checkpoint
+
+        report = json.loads((export_dir / "report.json").read_text())
+        fig = report["figures"]
+        # The report names the checkpoint relative to the work folder that holds exported/.
+        ckpt = Checkpoint(export_dir.parent / fig["checkpoint_dir"])
+        graphs: dict[str, list[tuple[GraphSpec, Path]]] = {}
+        for g in fig["graphs"]:
+            spec = GraphSpec.from_dict(g["spec"])
+            graphs.setdefault(spec.role, []).append((spec, export_dir / g["onnx"]))
+        for parts in graphs.values():
+            parts.sort(key=lambda sp: sp[0].part)
+        if luts:
+            specs = {k: LutSpec(**v) for k, v in fig["luts"].items()}
+            embedder: Embedder = LutEmbedder(ckpt.geometry, export_dir, specs)
+        else:
+            embedder = CheckpointEmbedder(ckpt)
+        return cls(ckpt.geometry, graphs, embedder, **kw)
+
+    def reset(self) -> None:
+        self.position = 0
+        self.caches = _Caches(self.geo, self.context)
+
+    @property
+    def prefill_ar(self) -> int:
+        return self.graphs["prefill"][0][0].ar
+
+    def _graph_for(self, n: int) -> list[tuple[GraphSpec, Path]]:
+        if "decode" in self.graphs and n <= self.graphs["decode"][0][0].ar:
+            return self.graphs["decode"]
+        return self.graphs["prefill"]
+
+    def _masks(self, t: int, n: int) -> dict[str, np.ndarray]:
+        """Additive masks for T query rows (n real tokens) at positions self.position... ."""
+        p0, w = self.position, self.geo.sliding_window
+        q = p0 + np.arange(t)
+        new = p0 + np.arange(t)
+        causal_new = new[None, :] <= q[:, None]
+        full_slots = self.context - t
+        full_past = np.arange(full_slots)[None, :] < p0
+        full = np.concatenate([np.broadcast_to(full_past, (t, full_slots)), causal_new], axis=1)
+        swa_pos = self.caches.swa_positions
+        swa_past = (swa_pos[None, :] >= 0) & (q[:, None] - swa_pos[None, :] < w)
+        swa = np.concatenate([swa_past, causal_new & (q[:, None] - new[None, :] < w)], axis=1)
+        to_mask = lambda v: np.where(v, 0.0, ATTENTION_MASK_MIN).astype(np.float32)[None, None]  # noqa: E731
+        return {"attention_mask": to_mask(full), "swa_attention_mask": to_mask(swa)}
+
+    def step(self, ids: list[int], role: str | None = None) -> np.ndarray:
+        """Run one graph call over `ids` (at most the graph's AR) at the current position; returns
+        their logits (n,V) and advances the position and the caches. `role` picks the graph;
+        by default the decode graph when the ids fit it."""
+        import torch
+
+        from stages.decoder import rope_tables
+
+        n = len(ids)
+        graph = self.graphs[role] if role else self._graph_for(n)
+        t = graph[0][0].ar
+        if n == 0 or n > t:
+            raise RunnerError(f"a graph call takes 1..{t} tokens, got {n}")
+        if self.position + t > self.context:
+            raise RunnerError(
+                f"context full: position {self.position} + AR {t} exceeds max_context {self.context}"
+            )
+        padded = np.array(list(ids) + [self.pad] * (t - n), dtype=np.int64)
+        emb, ple = self.embed(padded)
+        rope = {
+            k: v.numpy()
+            for k, v in rope_tables(self.geo, torch.arange(self.position, self.position + t)).items()
+        }
+        tensors: dict[str, np.ndarray] = {"inputs_embeds": emb[None], **self._masks(t, n), **rope}
+        if ple is not None:
+            tensors["per_layer_inputs"] = ple[None]
+        for layer, keys in self.caches.keys.items():
+            attention = self.geo.layers[layer].attention
+            slots = self.context - t if attention == FULL else self.geo.sliding_window
+            for h in range(self.geo.num_kv_heads):
+                tensors[cache_name(layer, attention, "key", h, "in")] = keys[h : h + 1, :, :slots][None]
+                tensors[cache_name(layer, attention, "value", h, "in")] = self.caches.values[layer][
+                    h : h + 1, :slots
+                ][None]
+        for spec, path in graph:
+            feeds = {s.name: tensors[s.name] for s in spec.inputs}
+            results = self._sessions[path].run([o.name for o in spec.outputs], feeds)
+            tensors.update(zip((o.name for o in spec.outputs), results, strict=True))
+        for layer in self.caches.keys:
+            attention = self.geo.layers[layer].attention
+            keys = np.concatenate(
+                [
+                    tensors[cache_name(layer, attention, "key", h, "out")][0]
+                    for h in range(self.geo.num_kv_heads)
+                ]
+            )
+            values = np.concatenate(
+                [
+                    tensors[cache_name(layer, attention, "value", h, "out")][0]
+                    for h in range(self.geo.num_kv_heads)
+                ]
+            )
+            self.caches.write(layer, attention, self.position, keys[:, :, :n], values[:, :n])
+        new_positions = self.position + np.arange(n)
+        for p in new_positions[-self.geo.sliding_window :]:
+            self.caches.swa_positions[p % self.geo.sliding_window] = p
+        self.position += n
+        return tensors["logits"][0, :n]
+
+    def prefill(self, ids: list[int]) -> np.ndarray:
+        """All prompt tokens in chunks of the prefill AR; returns the logits of every prompt position."""
+        ar = self.prefill_ar
+        if self.position + len(ids) + (-len(ids)) % ar > self.context:
+            raise RunnerError(
+                f"a prompt of {len(ids)} tokens (padded to whole AR-{ar} chunks) does not fit "
+                f"max_context {self.context}"
+            )
+        return np.concatenate([self.step(ids[i : i + ar], role="prefill") for i in range(0, len(ids), ar)])
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stop_ids: set[int] = frozenset(),
+        sampling: Sampling = Sampling(),
+        keep_logits: bool = False,
+    ) -> Generation:
+        self.reset()
+        gen = Generation(prompt_ids=list(prompt_ids))
+        pick = sampling.picker()
+        t0 = time.perf_counter()
+        logits = self.prefill(list(prompt_ids))
+        gen.prefill_s = time.perf_counter() - t0
+        if keep_logits:
+            gen.logits += list(logits)
+        last = logits[-1]
+        t0 = time.perf_counter()
+        for _ in range(max_new_tokens):
+            tok = pick(last)
+            gen.tokens.append(tok)
+            if tok in stop_ids:
+                gen.stopped_by = f"stop token {tok}"
+                break
+            if len(gen.tokens) == max_new_tokens:
+                break
+            if self.position + self._graph_for(1)[0][0].ar > self.context:
+                gen.stopped_by = "context full"
+                break
+            last = self.step([tok])[-1]
+            if keep_logits:
+                gen.logits.append(last)
+        gen.decode_s = time.perf_counter() - t0
+        return gen

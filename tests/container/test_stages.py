@@ -1,0 +1,37 @@
+"""Container tier: the stages as users run them, `make <stage>` in the stage images, on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import make
+
+pytestmark = [pytest.mark.container, pytest.mark.slow]
+
+
+def _report(path):
+    return json.loads(path.read_text())
+
+
+def test_make_export_tiny_in_the_export_image_then_nothing_to_redo(images, tmp_path):
+    r = make("export", "PRESET=tiny", f"WORKDIR={tmp_path}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    download = _report(tmp_path / "checkpoints" / "tiny" / "report.json")
+    export = _report(tmp_path / "exported" / "report.json")
+    assert download["figures"]["source"] == "builtin"
+    assert len(export["figures"]["graphs"]) == 4  # tiny preset: 2 parts x (prefill, decode)
+    assert export["tool_versions"]["onnxruntime"] and export["tool_versions"]["torch"].startswith("2.13")
+    # Files the container wrote belong to the caller, not to root-in-a-container.
+    assert (tmp_path / "exported" / "report.json").stat().st_uid == (tmp_path.stat().st_uid)
+
+    again = make("export", "PRESET=tiny", f"WORKDIR={tmp_path}")
+    assert again.returncode == 0 and " export" not in again.stdout, again.stdout
+    gen = make(
+        "g4v69",
+        "IMAGE=export",
+        f"WORKDIR={tmp_path}",
+        f"ARGS=--preset tiny --workdir {tmp_path} generate --prompt Hi --max-new-tokens 4 --json",
+    )
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    assert json.loads(gen.stdout)["generated_tokens"] >= 1

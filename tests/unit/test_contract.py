@@ -1,0 +1,93 @@
+"""The graph I/O contract for the real job (E2B, SM8450, AR-128/AR-1, 2048 context, 4 parts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from stages.config import load_config
+from stages.contract import ContractError, graph_specs
+from stages.geometry import TINY_TEXT_CONFIG, e2b_geometry, geometry_from_config
+from stages.plan import make_plan, part_layers
+
+HOST_INPUTS = {
+    "inputs_embeds",
+    "per_layer_inputs",
+    "attention_mask",
+    "swa_attention_mask",
+    "position_ids_cos",
+    "position_ids_sin",
+    "swa_position_ids_cos",
+    "swa_position_ids_sin",
+}
+
+
+@pytest.fixture(scope="module")
+def e2b_specs():
+    cfg = load_config()
+    geo = e2b_geometry()
+    return graph_specs(geo, cfg, part_layers(geo, cfg))
+
+
+def _shapes(spec):
+    return {t.name: t.shape for t in spec.inputs} | {t.name: t.shape for t in spec.outputs}
+
+
+def test_e2b_graphs_have_genie_names_and_shapes(e2b_specs):
+    assert [s.name for s in e2b_specs] == [
+        f"{role}_ar{ar}_part{p}_of_4" for role, ar in (("prefill", 128), ("decode", 1)) for p in range(1, 5)
+    ]
+    first = _shapes(e2b_specs[0])
+    assert first["inputs_embeds"] == (1, 128, 1536)
+    assert first["per_layer_inputs"] == (1, 128, 35, 256)
+    assert first["attention_mask"] == (1, 1, 128, 2048)
+    assert first["swa_attention_mask"] == (1, 1, 128, 512 + 128)
+    assert first["position_ids_cos"] == (1, 1, 128, 256)  # proportional layout: 512 / 2
+    assert first["swa_position_ids_cos"] == (1, 1, 128, 128)
+    assert first["swa_key_0_h0_in"] == (1, 1, 256, 512)
+    assert first["swa_value_0_h0_in"] == (1, 1, 512, 256)
+    assert first["past_key_4_h0_in"] == (1, 1, 512, 1920)
+    assert first["past_value_4_h0_out"] == (1, 1, 128, 512)
+    decode_last = _shapes(e2b_specs[-1])
+    assert decode_last["logits"] == (1, 1, 262144)
+
+
+def test_e2b_caches_only_for_the_15_owner_layers(e2b_specs):
+    for role in ("prefill", "decode"):
+        names = {t.name for s in e2b_specs if s.role == role for t in s.inputs}
+        cache_layers = {
+            int(n.split("_")[2]) for n in names if n.endswith("_in") and n.split("_")[1] in ("key",)
+        }
+        assert cache_layers == set(range(15))
+        full = {int(n.split("_")[2]) for n in names if n.startswith("past_key_")}
+        assert full == {4, 9, 14}
+
+
+def test_every_input_comes_from_the_host_or_an_earlier_part(e2b_specs):
+    for role in ("prefill", "decode"):
+        produced: set[str] = set()
+        for spec in (s for s in e2b_specs if s.role == role):
+            for t in spec.inputs:
+                is_cache = t.name.endswith("_in") and t.name.startswith(("past_", "swa_"))
+                assert t.name in HOST_INPUTS or is_cache or t.name in produced, (spec.name, t.name)
+            produced |= {t.name for t in spec.outputs}
+        assert "logits" in produced
+
+
+def test_cross_part_tensors_avoid_cache_group_prefixes(e2b_specs):
+    for spec in e2b_specs:
+        for t in spec.outputs:
+            if t.name.startswith(("past_", "swa_")):
+                assert t.name.endswith("_out")
+
+
+def test_plan_and_contract_split_the_same_layers(e2b_specs):
+    cfg = load_config()
+    plan = make_plan(e2b_geometry(), cfg)
+    assert [p.layers for p in plan.parts] == [list(s.layers) for s in e2b_specs[:4]]
+
+
+def test_context_must_leave_room_for_the_window():
+    geo = geometry_from_config(TINY_TEXT_CONFIG)
+    cfg = load_config("tiny", {"max_context": 20, "prefill_ar": 16})
+    with pytest.raises(ContractError, match="at least 24"):
+        graph_specs(geo, cfg, part_layers(geo, cfg))
