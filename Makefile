@@ -91,7 +91,7 @@ BUNDLE_REPORT   = $(WORKDIR)/genie_bundle/report.json
 VERIFY_REPORT   = $(WORKDIR)/verify/report.json
 
 .PHONY: help images wheelhouse base-image lock download export quantize compile bundle verify \
-  push run demo plan doctor image-tag test test-unit test-container lint clean venv g4v69 FORCE \
+  push run generate demo plan doctor image-tag test test-unit test-container lint clean venv g4v69 FORCE \
   $(addprefix image-,$(IMAGES))
 
 help: ## list the targets and variables
@@ -133,6 +133,8 @@ push: $(BUNDLE_REPORT) | $(call RUNNER_DEP,tools) ## adb-push the bundle and QAI
 	$(call g4v69,tools) push
 run: | $(call RUNNER_DEP,tools) ## run PROMPT on the phone with genie-t2t-run
 	$(call g4v69,tools) run
+generate: $(EXPORT_REPORT) | $(call RUNNER_DEP,export) ## run PROMPT through the exported graphs on the host
+	@$(call g4v69,export) generate --prompt '$(subst ','\'',$(PROMPT))'
 demo: ## the built-in tiny model through every stage to a verified bundle
 	$(MAKE) verify PRESET=tiny
 

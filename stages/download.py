@@ -193,6 +193,13 @@ def _init_spec(name: str, shape: tuple[int, ...], text_config: dict[str, Any]) -
     """
     if name.endswith("layer_scalar"):
         return ("uniform", 0.5, 1.5)
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        # Gemma 4 attends with scaling 1.0 on RMS-normed q and k, so these weights set the logit
+        # spread. Around head_dim**-0.25 each, q.k has the spread of a 1/sqrt(d)-scaled attention;
+        # weights near 1 make random attention one-hot and a deep random model chaotic (rounding
+        # errors double every layer), which no trained model is.
+        scale = shape[0] ** -0.25
+        return ("normal", scale, 0.3 * scale)
     if len(shape) == 1:
         return ("normal", 1.0, 0.3)
     if name.endswith("embed_tokens.weight"):
