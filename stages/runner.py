@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -205,14 +205,12 @@ class HostRunner:
         self.embed = embedder
         self.pad = pad_token_id
         self.context = next(iter(graphs.values()))[0][0].context
-        opts = ort.SessionOptions()
+        self._options = ort.SessionOptions()
         if threads:
-            opts.intra_op_num_threads = threads
-        self._sessions = {
-            path: ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-            for parts in graphs.values()
-            for _, path in parts
-        }
+            self._options.intra_op_num_threads = threads
+        # Created on first use and released per role: a session holds its graph's weights, and
+        # E2B's prefill and decode graphs together (17 GB in float32) do not fit 24 GB with the rest.
+        self._sessions: dict[Path, Any] = {}
         self.reset()
 
     @classmethod
@@ -237,6 +235,25 @@ class HostRunner:
         else:
             embedder = CheckpointEmbedder(ckpt)
         return cls(ckpt.geometry, graphs, embedder, **kw)
+
+    def _session(self, path: Path) -> Any:
+        import onnxruntime as ort
+
+        if path not in self._sessions:
+            self._sessions[path] = ort.InferenceSession(
+                str(path), self._options, providers=["CPUExecutionProvider"]
+            )
+        return self._sessions[path]
+
+    def load(self, role: str) -> None:
+        """Build the sessions of one graph kind now (so timings do not include loading)."""
+        for _, path in self.graphs.get(role, []):
+            self._session(path)
+
+    def release(self, role: str) -> None:
+        """Drop the sessions of one graph kind (they are rebuilt when needed again)."""
+        for _, path in self.graphs.get(role, []):
+            self._sessions.pop(path, None)
 
     def reset(self) -> None:
         self.position = 0
@@ -302,7 +319,7 @@ class HostRunner:
                 ][None]
         for spec, path in graph:
             feeds = {s.name: tensors[s.name] for s in spec.inputs}
-            results = self._sessions[path].run([o.name for o in spec.outputs], feeds)
+            results = self._session(path).run([o.name for o in spec.outputs], feeds)
             tensors.update(zip((o.name for o in spec.outputs), results, strict=True))
         for layer in self.caches.keys:
             attention = self.geo.layers[layer].attention
@@ -346,9 +363,13 @@ class HostRunner:
         self.reset()
         gen = Generation(prompt_ids=list(prompt_ids))
         pick = sampling.picker()
+        self.load("prefill")
         t0 = time.perf_counter()
         logits = self.prefill(list(prompt_ids))
         gen.prefill_s = time.perf_counter() - t0
+        if "decode" in self.graphs:
+            self.release("prefill")
+            self.load("decode")
         if keep_logits:
             gen.logits += list(logits)
         last = logits[-1]
