@@ -91,3 +91,20 @@ def test_context_must_leave_room_for_the_window():
     cfg = load_config("tiny", {"max_context": 20, "prefill_ar": 16})
     with pytest.raises(ContractError, match="at least 24"):
         graph_specs(geo, cfg, part_layers(geo, cfg))
+
+
+def test_sampling_greedy_top_k_top_p_and_seeded_temperature():
+    import numpy as np
+
+    from stages.runner import Sampling
+
+    logits = np.array([0.0, 3.0, 2.9, -1.0, 2.8])
+    assert Sampling().picker()(logits) == 1
+    assert Sampling(temperature=5.0, top_k=1).picker()(logits) == 1
+    assert Sampling(temperature=5.0, top_p=0.01).picker()(logits) == 1
+    draws = [Sampling(temperature=1.0, seed=3).picker() for _ in range(2)]
+    a = [draws[0](logits) for _ in range(50)]
+    assert a == [draws[1](logits) for _ in range(50)]  # same seed, same draws
+    assert set(a) >= {1, 2, 4} and set(a) <= {0, 1, 2, 3, 4}
+    top2 = Sampling(temperature=10.0, top_k=2, seed=1).picker()
+    assert {top2(logits) for _ in range(100)} == {1, 2}

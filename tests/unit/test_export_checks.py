@@ -1,0 +1,23 @@
+"""Export refuses jobs it cannot build before it reads a single weight."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stages.config import load_config
+from stages.download import gemma4_config
+from stages.export import ExportError, run_export
+from stages.geometry import E2B_TEXT_CONFIG
+
+
+def test_a_part_over_the_context_limit_is_refused(tmp_path):
+    ckpt = tmp_path / "checkpoints" / "gemma-4-e2b-it"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text(json.dumps(gemma4_config(E2B_TEXT_CONFIG)))
+    (ckpt / "report.json").write_text("{}")
+    cfg = load_config("default", {"soc": "SM8650", "precision": "w16a16", "num_shards": 1})
+    with pytest.raises(ExportError, match="over the 4 GB per-context limit; raise NUM_SHARDS"):
+        run_export(cfg, tmp_path, ckpt)
+    assert not (tmp_path / "exported").exists()
