@@ -262,8 +262,10 @@ def write_random_checkpoint(
     dest: Path,
     seed: int,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    trained: dict[str, Any] | None = None,
 ) -> None:
-    """Write a complete random-weight Gemma 4 checkpoint for `text_config` into the folder `dest`.
+    """Write a complete random-weight Gemma 4 checkpoint for `text_config` into the folder `dest`;
+    tensors found in `trained` (names relative to the language model) are written instead of random.
 
     Same bytes on every run for the same arguments (fixed safetensors metadata, no timestamps).
     Tensors are made one file at a time, so memory holds at most one file's tensors.
@@ -285,7 +287,8 @@ def write_random_checkpoint(
             data = {}
             for i in members:
                 name, shape = tensors[i]
-                data[name] = random_tensor(name, shape, geo.config, seed)
+                given = (trained or {}).get(name.removeprefix(TEXT_PREFIX))
+                data[name] = given if given is not None else random_tensor(name, shape, geo.config, seed)
                 weight_map[name] = file_name
                 bar.update(math.prod(shape) * BF16_BYTES)
             save_file(data, str(dest / file_name), metadata={"format": "pt"})
@@ -304,14 +307,21 @@ def write_builtin_checkpoint(
 ) -> None:
     """Write a built-in model (`tiny` or `e2b-random`) into `dest`.
 
-    `tiny` is a few MB in one model.safetensors. `e2b-random` has the full E2B geometry (about 9 GB
+    `tiny` is a few MB in one model.safetensors, with the weights trained by `stages.tiny_model`
+    (the committed fixture) so that its text and its quantization figures mean something.
+    `e2b-random` has the full E2B geometry (about 9 GB
     of bf16 in ~2 GB shards; the 4.7 GB per-layer embedding table alone in its file). It carries the
     built-in byte-level tokenizer, which only covers token ids < 262 of its 262144-entry vocabulary:
     it is for sizing and timing the pipeline, not for text.
     """
     if name not in BUILTIN_TEXT_CONFIGS:
         raise DownloadError(f"no built-in model {name!r}; built-in models: {', '.join(BUILTIN_TEXT_CONFIGS)}")
-    write_random_checkpoint(BUILTIN_TEXT_CONFIGS[name], Path(dest), seed, max_shard_bytes)
+    trained = None
+    if name == "tiny":
+        from stages.tiny_model import load_fixture
+
+        trained = load_fixture()
+    write_random_checkpoint(BUILTIN_TEXT_CONFIGS[name], Path(dest), seed, max_shard_bytes, trained)
 
 
 # ---------------------------------------------------------------------------------------------------
