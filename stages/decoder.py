@@ -10,8 +10,6 @@ HTP both prefer them to the decomposed x^2 / x^3 forms.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -204,32 +202,3 @@ def part_weight_names(geo: Geometry, spec: GraphSpec) -> list[str]:
     if spec.is_last:
         names += [geo.final_norm.name, geo.embedding.name]
     return names
-
-
-def rope_tables(geo: Geometry, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-    """cos/sin for the given absolute positions, shaped (1,1,T,D/2), for both attention kinds.
-
-    Full layers use "proportional" RoPE: the table is global_head_dim/2 wide but only the first
-    partial_rotary_factor of the frequencies are real, the rest are zero (cos 1, sin 0), which is the
-    layout Genie's proportional rope-scaling expects.
-    """
-    cfg = geo.config
-    rope = cfg["rope_parameters"]
-    out: dict[str, torch.Tensor] = {}
-    for prefix, kind, dim in (
-        ("", "full_attention", cfg["global_head_dim"]),
-        ("swa_", "sliding_attention", cfg["head_dim"]),
-    ):
-        params = rope[kind]
-        inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        if params.get("rope_type") == "proportional":
-            rotating = int(params.get("partial_rotary_factor", 1.0) * dim // 2)
-            inv[rotating:] = 0.0
-        freqs = positions.to(torch.float32)[:, None] * inv[None, :]
-        out[f"{prefix}position_ids_cos"] = freqs.cos()[None, None]
-        out[f"{prefix}position_ids_sin"] = freqs.sin()[None, None]
-    return out
-
-
-def embed_scale(dim: int) -> float:
-    return math.sqrt(dim)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from stages.contract import ATTENTION_MASK_MIN, GraphSpec, cache_name
-from stages.geometry import FULL, Geometry
+from stages.geometry import FULL, SLIDING, Geometry
 
 
 class RunnerError(RuntimeError):
@@ -108,6 +108,28 @@ class LutEmbedder:
             len(ids), self.geo.num_layers, self.geo.ple_dim
         )
         return emb, ple
+
+
+def rope_tables(geo: Geometry, positions: np.ndarray) -> dict[str, np.ndarray]:
+    """cos/sin for the given absolute positions, shaped (1,1,T,D/2), for both attention kinds, in
+    float32 as transformers computes them.
+
+    Full layers use "proportional" RoPE: the table is global_head_dim/2 wide but only the first
+    partial_rotary_factor of the frequencies are real, the rest are zero (cos 1, sin 0), which is the
+    layout Genie's proportional rope-scaling expects.
+    """
+    cfg = geo.config
+    out: dict[str, np.ndarray] = {}
+    for prefix, kind, dim in (("", FULL, cfg["global_head_dim"]), ("swa_", SLIDING, cfg["head_dim"])):
+        params = cfg["rope_parameters"][kind]
+        exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+        inv = (np.float32(1.0) / np.power(np.float32(params["rope_theta"]), exponent)).astype(np.float32)
+        if params.get("rope_type") == "proportional":
+            inv[int(params.get("partial_rotary_factor", 1.0) * dim // 2) :] = 0.0
+        freqs = positions.astype(np.float32)[:, None] * inv[None, :]
+        out[f"{prefix}position_ids_cos"] = np.cos(freqs)[None, None]
+        out[f"{prefix}position_ids_sin"] = np.sin(freqs)[None, None]
+    return out
 
 
 # ---- sampling ----
@@ -287,10 +309,6 @@ class HostRunner:
         """Run one graph call over `ids` (at most the graph's AR) at the current position; returns
         their logits (n,V) and advances the position and the caches. `role` picks the graph;
         by default the decode graph when the ids fit it."""
-        import torch
-
-        from stages.decoder import rope_tables
-
         n = len(ids)
         graph = self.graphs[role] if role else self._graph_for(n)
         t = graph[0][0].ar
@@ -302,10 +320,7 @@ class HostRunner:
             )
         padded = np.array(list(ids) + [self.pad] * (t - n), dtype=np.int64)
         emb, ple = self.embed(padded)
-        rope = {
-            k: v.numpy()
-            for k, v in rope_tables(self.geo, torch.arange(self.position, self.position + t)).items()
-        }
+        rope = rope_tables(self.geo, np.arange(self.position, self.position + t))
         tensors: dict[str, np.ndarray] = {"inputs_embeds": emb[None], **self._masks(t, n), **rope}
         if ple is not None:
             tensors["per_layer_inputs"] = ple[None]
