@@ -32,7 +32,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t.detach().to(torch.float32), requires_grad=False)
+    """A float32 weight; 2-D (linear) weights are stored transposed, (in, out), the ONNX MatMul layout,
+    so the exported initializer keeps the checkpoint's tensor name instead of a folded anonymous copy
+    (quantization overrides and audits find weights by those names)."""
+    t = t.detach().to(torch.float32)
+    return nn.Parameter(t.t().contiguous() if t.dim() == 2 else t, requires_grad=False)
+
+
+def _holder(t: torch.Tensor) -> nn.Module:
+    """A module holding one weight, so its parameter (and ONNX initializer) is named `<attr>.weight`."""
+    m = nn.Module()
+    m.weight = _param(t)
+    return m
 
 
 class DecoderLayer(nn.Module):
@@ -72,13 +83,13 @@ class DecoderLayer(nn.Module):
         d, nh, nkv = self.head_dim, self.n_heads, self.n_kv
         attn, mlp = self.self_attn, self.mlp
         x = rms_norm(h, self.input_layernorm.weight, self.eps)
-        q = F.linear(x, attn.q_proj.weight).view(1, t, nh, d)
+        q = torch.matmul(x, attn.q_proj.weight).view(1, t, nh, d)
         q = apply_rope(rms_norm(q, attn.q_norm.weight, self.eps), cos, sin)
         new_kv = None
         if self.owns_kv:
-            k = F.linear(x, attn.k_proj.weight).view(1, t, nkv, d)
+            k = torch.matmul(x, attn.k_proj.weight).view(1, t, nkv, d)
             k = apply_rope(rms_norm(k, attn.k_norm.weight, self.eps), cos, sin)
-            v = rms_norm(F.linear(x, attn.v_proj.weight).view(1, t, nkv, d), None, self.eps)
+            v = rms_norm(torch.matmul(x, attn.v_proj.weight).view(1, t, nkv, d), None, self.eps)
             new_k = k.permute(0, 2, 3, 1)  # (1,kv,D,T)
             new_v = v.transpose(1, 2)  # (1,kv,T,D)
             past_k, past_v = cache
@@ -93,19 +104,20 @@ class DecoderLayer(nn.Module):
         scores = torch.matmul(qg, keys).reshape(1, nh, t, -1)  # attention scaling is 1.0 in Gemma 4
         probs = torch.softmax(scores + mask, dim=-1).reshape(1, nkv, groups * t, -1)
         out = torch.matmul(probs, values).reshape(1, nh, t, d).transpose(1, 2).reshape(1, t, nh * d)
-        out = F.linear(out, attn.o_proj.weight)
+        out = torch.matmul(out, attn.o_proj.weight)
         h = h + rms_norm(out, self.post_attention_layernorm.weight, self.eps)
 
         x = rms_norm(h, self.pre_feedforward_layernorm.weight, self.eps)
-        x = F.linear(
-            F.gelu(F.linear(x, mlp.gate_proj.weight), approximate="tanh") * F.linear(x, mlp.up_proj.weight),
+        x = torch.matmul(
+            F.gelu(torch.matmul(x, mlp.gate_proj.weight), approximate="tanh")
+            * torch.matmul(x, mlp.up_proj.weight),
             mlp.down_proj.weight,
         )
         h = h + rms_norm(x, self.post_feedforward_layernorm.weight, self.eps)
 
         if ple is not None:
-            g = F.gelu(F.linear(h, self.per_layer_input_gate.weight), approximate="tanh") * ple
-            g = F.linear(g, self.per_layer_projection.weight)
+            g = F.gelu(torch.matmul(h, self.per_layer_input_gate.weight), approximate="tanh") * ple
+            g = torch.matmul(g, self.per_layer_projection.weight)
             h = h + rms_norm(g, self.post_per_layer_input_norm.weight, self.eps)
         return h * self.layer_scalar, (keys, values), new_kv
 
@@ -120,12 +132,12 @@ class DecoderPart(nn.Module):
         self.eps = geo.config.get("rms_norm_eps", 1e-6)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(geo, geo.layers[i], weights) for i in spec.layers})
         if spec.is_first and geo.ple_dim:
-            self.per_layer_model_projection = _param(weights["per_layer_model_projection.weight"])
-            self.per_layer_projection_norm = _param(weights["per_layer_projection_norm.weight"])
+            self.per_layer_model_projection = _holder(weights["per_layer_model_projection.weight"])
+            self.per_layer_projection_norm = _holder(weights["per_layer_projection_norm.weight"])
         if spec.is_last:
-            self.norm = _param(weights["norm.weight"])
+            self.norm = _holder(weights["norm.weight"])
             # An explicit, untied copy: quantization must see the lm_head as a weight (FACTS.md s.5).
-            self.lm_head = _param(weights["embed_tokens.weight"])
+            self.lm_head = _holder(weights["embed_tokens.weight"])
         self.softcap = geo.config.get("final_logit_softcapping")
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -136,10 +148,10 @@ class DecoderPart(nn.Module):
             h = x["inputs_embeds"]
             ple = None
             if geo.ple_dim:
-                proj = F.linear(h, self.per_layer_model_projection) * (geo.hidden_size**-0.5)
+                proj = torch.matmul(h, self.per_layer_model_projection.weight) * (geo.hidden_size**-0.5)
                 proj = rms_norm(
                     proj.reshape(1, h.shape[1], geo.num_layers, geo.ple_dim),
-                    self.per_layer_projection_norm,
+                    self.per_layer_projection_norm.weight,
                     self.eps,
                 )
                 ple = (proj + x["per_layer_inputs"]) * (2.0**-0.5)
@@ -185,7 +197,7 @@ class DecoderPart(nn.Module):
                 out[kvshare_name(i, "key")], out[kvshare_name(i, "value")] = kv
 
         if spec.is_last:
-            logits = F.linear(rms_norm(h, self.norm, self.eps), self.lm_head)
+            logits = torch.matmul(rms_norm(h, self.norm.weight, self.eps), self.lm_head.weight)
             if self.softcap:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
             out["logits"] = logits
