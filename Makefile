@@ -22,6 +22,12 @@ PROMPT        ?= What is the capital of France?
 # A snapshot folder you already have: `make download FROM=DIR` imports it instead of downloading.
 FROM          ?=
 
+# quantize: extra options (--compare-ple-policies, --calibration-files F, --provider rocm) and its image
+QUANT_ARGS    ?=
+QUANT_IMAGE   ?= quant
+# Extra `docker run` options, e.g. DOCKER_ARGS='--device /dev/kfd --device /dev/dri' for ROCm.
+DOCKER_ARGS   ?=
+
 # ---- how and where things run ----
 RUNNER        ?= docker
 WORKDIR       ?= .
@@ -62,7 +68,7 @@ ABS_WORKDIR = $(abspath $(WORKDIR))
 # The work tree (and WORKDIR, when it lies outside it) mounted at the same paths as on the host;
 # the calling user's UID; no privileges; secrets only as runtime environment, by name (docker
 # reads their values from this environment, so they never appear on a command line or in a log).
-DOCKER_RUN = docker run --rm -i --user $$(id -u):$$(id -g) --cap-drop ALL \
+DOCKER_RUN = docker run --rm -i --user $$(id -u):$$(id -g) --cap-drop ALL $(DOCKER_ARGS) \
   --security-opt no-new-privileges -v '$(CURDIR):$(CURDIR)' -w '$(CURDIR)' \
   $(if $(filter $(CURDIR)/%,$(ABS_WORKDIR)/),,-v '$(ABS_WORKDIR):$(ABS_WORKDIR)') \
   $(if $(FROM),-v '$(abspath $(FROM)):$(abspath $(FROM)):ro') \
@@ -114,8 +120,8 @@ $(DOWNLOAD_REPORT): $(STAMP_DIR)/download.json | $(call RUNNER_DEP,export)
 	$(call g4v69,export) download $(call opt,from,$(if $(FROM),$(abspath $(FROM))))
 $(EXPORT_REPORT): $(DOWNLOAD_REPORT) $(STAMP_DIR)/export.json | $(call RUNNER_DEP,export)
 	$(call g4v69,export) export
-$(QUANTIZE_REPORT): $(EXPORT_REPORT) $(STAMP_DIR)/quantize.json | $(call RUNNER_DEP,quant)
-	$(call g4v69,quant) quantize
+$(QUANTIZE_REPORT): $(EXPORT_REPORT) $(STAMP_DIR)/quantize.json | $(call RUNNER_DEP,$(QUANT_IMAGE))
+	$(call g4v69,$(QUANT_IMAGE)) quantize $(QUANT_ARGS)
 $(COMPILE_REPORT): $(QUANTIZE_REPORT) $(STAMP_DIR)/compile.json | $(call RUNNER_DEP,compile)
 	$(call g4v69,compile) compile
 $(BUNDLE_REPORT): $(COMPILE_REPORT) $(STAMP_DIR)/bundle.json | $(call RUNNER_DEP,tools)

@@ -103,7 +103,6 @@ def _not_implemented(stage: str, issue: int):
 
 
 for _stage, _issue in (
-    ("quantize", 4),
     ("compile", 5),
     ("bundle", 6),
     ("verify", 6),
@@ -217,6 +216,52 @@ def generate(
         f"{figures['generated_tokens']} generated at {figures['decode_tokens_per_s']} tok/s; "
         f"stopped by {gen.stopped_by}]",
         err=True,
+    )
+
+
+@main.command()
+@click.option(
+    "--calibration-files",
+    multiple=True,
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="text to calibrate on (.txt, .jsonl with 'text', .parquet with a 'text' column); repeatable",
+)
+@click.option(
+    "--compare-ple-policies", is_flag=True, help="also measure the other PLE policies in the report"
+)
+@click.option(
+    "--provider",
+    type=click.Choice(["cpu", "rocm"]),
+    default="cpu",
+    show_default=True,
+    help="onnxruntime provider for calibration (rocm: quant-rocm image with an AMD GPU)",
+)
+@click.pass_obj
+def quantize(
+    obj: Context, calibration_files: tuple[Path, ...], compare_ple_policies: bool, provider: str
+) -> None:
+    """w8a16 QDQ graphs for the SoC (8-bit KV on v69), audited, with a quality report, into quantized/."""
+    from stages.calibration import CalibrationError
+    from stages.checkpoint import CheckpointError
+    from stages.quantize import QuantizeError, run_quantize
+
+    try:
+        report = run_quantize(
+            obj.config,
+            obj.workdir,
+            obj.checkpoint_dir(),
+            list(calibration_files) or None,
+            compare_ple_policies,
+            provider,
+        )
+    except (QuantizeError, CalibrationError, CheckpointError) as e:
+        raise UserError(str(e)) from None
+    q = report["figures"]["quality"][obj.config.ple_policy]
+    click.echo(
+        f"{obj.workdir / 'quantized'}: {len(report['figures']['graphs'])} graphs; held-out top-1 agreement "
+        f"{q['top1_agreement']:.3f}, perplexity {q['perplexity_fp']:.3f} -> {q['perplexity_quantized']:.3f}, "
+        f"KL {q['kl_divergence']:.4f}; {report['wall_s']:.1f} s, "
+        f"peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB"
     )
 
 

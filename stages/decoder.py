@@ -23,9 +23,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (1,T,heads,D); cos/sin (1,1,T,D/2) as the graph receives them. Same as HF's rotate_half form."""
-    cos = cos.transpose(1, 2)  # (1,T,1,D/2)
-    sin = sin.transpose(1, 2)
+    """x (1,heads,T,D); cos/sin (1,1,T,D/2) as the graph receives them, broadcast over heads with no
+    transpose of a graph input (which would stay float after quantization). HF's rotate_half form."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -84,13 +83,13 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         x = rms_norm(h, self.input_layernorm.weight, self.eps)
         q = torch.matmul(x, attn.q_proj.weight).view(1, t, nh, d)
-        q = apply_rope(rms_norm(q, attn.q_norm.weight, self.eps), cos, sin)
+        q = apply_rope(rms_norm(q, attn.q_norm.weight, self.eps).transpose(1, 2), cos, sin)  # (1,nh,T,D)
         new_kv = None
         if self.owns_kv:
             k = torch.matmul(x, attn.k_proj.weight).view(1, t, nkv, d)
-            k = apply_rope(rms_norm(k, attn.k_norm.weight, self.eps), cos, sin)
+            k = apply_rope(rms_norm(k, attn.k_norm.weight, self.eps).transpose(1, 2), cos, sin)  # (1,kv,T,D)
             v = rms_norm(torch.matmul(x, attn.v_proj.weight).view(1, t, nkv, d), None, self.eps)
-            new_k = k.permute(0, 2, 3, 1)  # (1,kv,D,T)
+            new_k = k.transpose(2, 3)  # (1,kv,D,T)
             new_v = v.transpose(1, 2)  # (1,kv,T,D)
             past_k, past_v = cache
             keys = torch.cat((past_k, new_k), dim=-1)
@@ -100,7 +99,7 @@ class DecoderLayer(nn.Module):
             keys, values = shared_kv
         # Query heads are grouped by the KV head they read (HF's repeat_kv order).
         groups = nh // nkv
-        qg = q.transpose(1, 2).reshape(1, nkv, groups * t, d)
+        qg = q.reshape(1, nkv, groups * t, d)
         scores = torch.matmul(qg, keys).reshape(1, nh, t, -1)  # attention scaling is 1.0 in Gemma 4
         probs = torch.softmax(scores + mask, dim=-1).reshape(1, nkv, groups * t, -1)
         out = torch.matmul(probs, values).reshape(1, nh, t, d).transpose(1, 2).reshape(1, t, nh * d)

@@ -233,12 +233,18 @@ class HostRunner:
         # Created on first use and released per role: a session holds its graph's weights, and
         # E2B's prefill and decode graphs together (17 GB in float32) do not fit 24 GB with the rest.
         self._sessions: dict[Path, Any] = {}
+        self.observer: (
+            Callable[[GraphSpec, dict[str, np.ndarray], dict[str, np.ndarray], int], None] | None
+        ) = None
         self.reset()
 
     @classmethod
-    def from_export(cls, export_dir: Path, luts: bool = False, **kw) -> HostRunner:
+    def from_export(
+        cls, export_dir: Path, luts: bool = False, graph_dir: Path | None = None, **kw
+    ) -> HostRunner:
         """A runner over exported/ (its report.json lists the graphs), with the checkpoint's float
-        embeddings, or with the quantized Genie LUTs when `luts`."""
+        embeddings, or with the quantized Genie LUTs when `luts`. `graph_dir` swaps in other files of
+        the same graphs (the quantized ones: `<graph>.qdq.onnx`)."""
         from stages.checkpoint import Checkpoint
 
         report = json.loads((export_dir / "report.json").read_text())
@@ -248,7 +254,8 @@ class HostRunner:
         graphs: dict[str, list[tuple[GraphSpec, Path]]] = {}
         for g in fig["graphs"]:
             spec = GraphSpec.from_dict(g["spec"])
-            graphs.setdefault(spec.role, []).append((spec, export_dir / g["onnx"]))
+            path = graph_dir / f"{spec.name}.qdq.onnx" if graph_dir else export_dir / g["onnx"]
+            graphs.setdefault(spec.role, []).append((spec, path))
         for parts in graphs.values():
             parts.sort(key=lambda sp: sp[0].part)
         if luts:
@@ -305,10 +312,12 @@ class HostRunner:
         to_mask = lambda v: np.where(v, 0.0, ATTENTION_MASK_MIN).astype(np.float32)[None, None]  # noqa: E731
         return {"attention_mask": to_mask(full), "swa_attention_mask": to_mask(swa)}
 
-    def step(self, ids: list[int], role: str | None = None) -> np.ndarray:
+    def step(self, ids: list[int], role: str | None = None, parts: int | None = None) -> np.ndarray | None:
         """Run one graph call over `ids` (at most the graph's AR) at the current position; returns
         their logits (n,V) and advances the position and the caches. `role` picks the graph;
-        by default the decode graph when the ids fit it."""
+        by default the decode graph when the ids fit it. `parts` runs only the first parts of the
+        chain (calibrating a part needs nothing after it); then only their caches advance and no
+        logits come back. `observer`, when set, sees every graph call: (spec, feeds, outputs, n)."""
         n = len(ids)
         graph = self.graphs[role] if role else self._graph_for(n)
         t = graph[0][0].ar
@@ -332,12 +341,22 @@ class HostRunner:
                 tensors[cache_name(layer, attention, "value", h, "in")] = self.caches.values[layer][
                     h : h + 1, :slots
                 ][None]
-        for spec, path in graph:
+        for spec, path in graph[:parts]:
             feeds = {s.name: tensors[s.name] for s in spec.inputs}
-            results = self._session(path).run([o.name for o in spec.outputs], feeds)
-            tensors.update(zip((o.name for o in spec.outputs), results, strict=True))
+            results = dict(
+                zip(
+                    (o.name for o in spec.outputs),
+                    self._session(path).run([o.name for o in spec.outputs], feeds),
+                    strict=True,
+                )
+            )
+            if self.observer is not None:
+                self.observer(spec, feeds, results, n)
+            tensors.update(results)
         for layer in self.caches.keys:
             attention = self.geo.layers[layer].attention
+            if cache_name(layer, attention, "key", 0, "out") not in tensors:
+                continue
             keys = np.concatenate(
                 [
                     tensors[cache_name(layer, attention, "key", h, "out")][0]
@@ -355,7 +374,7 @@ class HostRunner:
         for p in new_positions[-self.geo.sliding_window :]:
             self.caches.swa_positions[p % self.geo.sliding_window] = p
         self.position += n
-        return tensors["logits"][0, :n]
+        return tensors["logits"][0, :n] if "logits" in tensors else None
 
     def prefill(self, ids: list[int]) -> np.ndarray:
         """All prompt tokens in chunks of the prefill AR; returns the logits of every prompt position."""

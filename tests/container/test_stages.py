@@ -35,3 +35,13 @@ def test_make_export_tiny_in_the_export_image_then_nothing_to_redo(images, tmp_p
     )
     assert gen.returncode == 0, gen.stderr[-2000:]
     assert json.loads(gen.stdout)["generated_tokens"] >= 1
+
+
+def test_make_quantize_tiny_in_the_quant_image(images, tmp_path):
+    r = make("quantize", "PRESET=tiny", f"WORKDIR={tmp_path}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = _report(tmp_path / "quantized" / "report.json")
+    assert "torch" not in report["tool_versions"]  # the quant image has no torch: numpy-only runner
+    q = report["figures"]["quality"]["float16"]
+    assert q["top1_agreement"] >= 0.95
+    assert all(g["audit"]["problems"] == [] for g in report["figures"]["graphs"])

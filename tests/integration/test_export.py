@@ -242,7 +242,9 @@ def test_weights_keep_their_checkpoint_names(export):
     for g in report["figures"]["graphs"]:
         model = onnx.load(str(export_dir / g["onnx"]), load_external_data=False)
         inits = {i.name for i in model.graph.initializer}
-        matmul_weights = {n.input[1] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits}
+        matmul_weights = {
+            n.input[1] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits
+        }
         assert matmul_weights and all(w.endswith(".weight") for w in matmul_weights), matmul_weights
         if g["spec"]["part"] == g["spec"]["num_parts"]:
             assert "lm_head.weight" in matmul_weights

@@ -1,0 +1,134 @@
+"""Calibration and evaluation text, tokenized into samples, and the graph inputs the FP chain makes
+from them.
+
+Sources: WikiText-2 (raw) through `datasets` (train split to calibrate, test split to evaluate), or
+local files (`.txt`, `.jsonl` with a "text" field, `.parquet` with a "text" column); by default the
+built-in corpus's calibration and held-out parts, which share no text with each other or with what
+the tiny model was trained on.
+
+Every graph is calibrated on what it will see on the phone: the inputs of part k come from running
+the float parts before it on the same text, prefill graphs see AR-sized chunks of the samples, and
+decode graphs see real decode steps (one token each, teacher-forced on the sample) with caches that
+the prefill of the sample's beginning filled.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stages.config import PipelineConfig
+from stages.tiny_model import CORPUS_DIR
+
+WIKITEXT = ("wikitext", "wikitext-2-raw-v1")
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+class CalibrationError(ValueError):
+    pass
+
+
+def read_text_files(paths: list[Path]) -> list[str]:
+    texts: list[str] = []
+    for path in paths:
+        if not path.is_file():
+            raise CalibrationError(f"calibration file {path} does not exist")
+        if path.suffix == ".txt":
+            texts.append(path.read_text(encoding="utf-8"))
+        elif path.suffix == ".jsonl":
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+                if line.strip():
+                    try:
+                        texts.append(str(json.loads(line)["text"]))
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise CalibrationError(
+                            f"{path}:{i} is not a JSON object with a 'text' field"
+                        ) from None
+        elif path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+            if "text" not in table.column_names:
+                raise CalibrationError(
+                    f"{path} has no 'text' column (columns: {', '.join(table.column_names)})"
+                )
+            texts += [str(t) for t in table.column("text").to_pylist() if t]
+        else:
+            raise CalibrationError(f"{path}: unsupported file type; use one of {', '.join(TEXT_SUFFIXES)}")
+    return texts
+
+
+def load_texts(cfg: PipelineConfig, purpose: str, files: list[Path] | None = None) -> list[str]:
+    """Texts to calibrate on (purpose "calibration") or to evaluate on ("heldout")."""
+    if cfg.calibration_dataset == "wikitext-2-raw-v1" and not files:
+        try:
+            import datasets
+
+            split = "train" if purpose == "calibration" else "test"
+            rows = datasets.load_dataset(*WIKITEXT, split=split)["text"]
+        except Exception as e:  # datasets raises many kinds when offline or missing
+            raise CalibrationError(
+                f"cannot load WikiText-2 ({e.__class__.__name__}: {e}); without network, calibrate on "
+                "local text: G4V69_CALIBRATION_DATASET=files (the built-in corpus, or your own with "
+                "QUANT_ARGS='--calibration-files FILE', txt, jsonl or parquet)"
+            ) from None
+        return ["".join(rows)]
+    if files:
+        return read_text_files(files)
+    return read_text_files([CORPUS_DIR / f"{purpose}.txt"])
+
+
+def token_samples(texts: list[str], encode, bos_id: int, count: int, length: int) -> list[list[int]]:
+    """`count` consecutive windows of `length` tokens (a BOS, then text) over the texts joined."""
+    ids: list[int] = []
+    for text in texts:
+        ids += encode(text)
+    body = length - 1
+    windows = [[bos_id, *ids[i : i + body]] for i in range(0, len(ids) - body + 1, body)][:count]
+    if not windows:
+        raise CalibrationError(f"the text holds {len(ids)} tokens, fewer than one sample of {length}")
+    return windows
+
+
+def decode_split(sample: list[int], decode_steps: int) -> tuple[list[int], list[int]]:
+    """The part of a sample that prefills the caches and the part fed as decode steps."""
+    steps = min(decode_steps, max(len(sample) - 1, 0))
+    return sample[: len(sample) - steps], sample[len(sample) - steps :]
+
+
+def graph_feeds(
+    runner, samples: list[list[int]], role: str, part: int, decode_steps: int
+) -> Iterator[dict[str, np.ndarray]]:
+    """Inputs of one graph (role, 1-based part) as the FP chain produces them, one call at a time.
+
+    Runs only the parts up to `part`, streaming, so memory does not grow with the sample count.
+    """
+    captured: list[dict[str, np.ndarray]] = []
+
+    def observe(spec, feeds: dict[str, np.ndarray], _outputs: Any, _n: int) -> None:
+        if spec.role == role and spec.part == part:
+            captured.append({k: np.array(v, copy=True) for k, v in feeds.items()})
+
+    runner.observer = observe
+    try:
+        for sample in samples:
+            runner.reset()
+            head, tail = decode_split(sample, decode_steps) if role == "decode" else (sample, [])
+            ar = runner.prefill_ar
+            for i in range(0, len(head), ar):
+                runner.step(head[i : i + ar], role="prefill", parts=part)
+                yield from captured
+                captured.clear()
+            if role == "decode":
+                for tok in tail:
+                    if runner.position + 1 > runner.context:
+                        break
+                    runner.step([tok], role="decode", parts=part)
+                    yield from captured
+                    captured.clear()
+    finally:
+        runner.observer = None

@@ -1,0 +1,608 @@
+"""The quantize stage: exported float graphs -> w8a16 QDQ graphs the target HTP can run, audited, with
+a quality report.
+
+- onnxruntime static quantization with its QNN configuration (`get_qnn_qdq_config`): activations
+  uint16, weights int8 symmetric per output channel (an explicit axis per MatMul weight: onnxruntime
+  leaves MatMul weights per-tensor otherwise), the lm_head included.
+- The SoC rule for activation x activation MatMuls (Q.K^T, probs.V): without a 16x16 matmul (v69)
+  the second operand, the KV cache, is 8-bit. Each owner layer's K (and V) cache input, its new
+  entries, the concatenation the MatMul reads and the `kvshare_*` tensors that carry it to later parts
+  get one encoding, from one calibrated range, so the runtime copies new entries into the cache
+  without requantizing. SoCs with a 16x16 matmul keep KV at `kv_cache_bits`.
+- The PLE policy: the in-graph per-layer-embedding paths stay float (float16 on the HTP; the default),
+  or get int16 or int8 weights.
+- Calibration (MinMax) streams graph inputs from the float chain on real text (`stages.calibration`).
+
+Every quantized graph is audited (KV and activation-matmul bit widths, the PLE policy tensor by tensor,
+no float tensor left outside the PLE policy); the stage fails if an audit fails.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stages.config import PipelineConfig, stage_fields
+from stages.contract import GraphSpec
+from stages.report import REPORT_NAME, read_report, stage_output
+
+QDQ_SUFFIX = ".qdq.onnx"
+# Ops that move or regroup values without changing them: a tensor and its image share an encoding.
+ENCODING_PRESERVING = {"Concat", "Slice", "Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze"}
+CACHE_TENSOR = re.compile(r"^(?:past|swa)_(key|value)_(\d+)_h\d+_(?:in|out)$")
+KVSHARE_TENSOR = re.compile(r"^kvshare_(key|value)_(\d+)$")
+PLE_START_WEIGHTS = ("per_layer_model_projection.weight", "per_layer_input_gate.weight")
+PLE_END_WEIGHT = "post_per_layer_input_norm.weight"
+PLE_GRAPH_INPUTS = {"per_layer_inputs", "per_layer_embeds"}
+# Weights of the PLE paths: the int16 policy gives these 16-bit.
+PLE_WEIGHT_SUFFIXES = (
+    "per_layer_model_projection.weight",
+    "per_layer_projection_norm.weight",
+    "per_layer_input_gate.weight",
+    "per_layer_projection.weight",
+    "post_per_layer_input_norm.weight",
+)
+DECODE_CALIBRATION_STEPS = 64
+EVAL_SAMPLES = 4
+
+
+class QuantizeError(ValueError):
+    pass
+
+
+def qdq_name(graph: str) -> str:
+    return f"{graph}{QDQ_SUFFIX}"
+
+
+# ---- graph analysis ----
+@dataclass
+class GraphAnalysis:
+    act_matmuls: list[tuple[str, str]]  # (node, second input) of MatMuls with no weight input
+    kv_groups: dict[tuple[str, int], set[str]]  # (key|value, layer) -> tensors sharing one encoding
+    ple_nodes: list[str]
+    matmul_weights: list[str]
+
+
+def analyse(model) -> GraphAnalysis:
+    graph = model.graph
+    inits = {i.name for i in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    consumers: dict[str, list[Any]] = defaultdict(list)
+    for n in graph.node:
+        for i in n.input:
+            consumers[i].append(n)
+
+    act_matmuls, weights = [], []
+    for n in graph.node:
+        if n.op_type == "MatMul":
+            if n.input[1] in inits:
+                weights.append(n.input[1])
+            elif n.input[0] not in inits:
+                act_matmuls.append((n.name, n.input[1]))
+
+    def group_of(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            t = todo.pop()
+            if t in seen or t in inits or not t:
+                continue
+            seen.add(t)
+            p = producer.get(t)
+            if p is not None and p.op_type in ENCODING_PRESERVING:
+                todo += list(p.input) if p.op_type == "Concat" else [p.input[0]]
+            for c in consumers.get(t, []):
+                if c.op_type in ENCODING_PRESERVING and (c.op_type == "Concat" or c.input[0] == t):
+                    todo += list(c.output)
+        return seen
+
+    kv_groups: dict[tuple[str, int], set[str]] = {}
+    for _, operand in act_matmuls:
+        group = group_of(operand)
+        keys = set()
+        for t in group:
+            m = CACHE_TENSOR.match(t) or KVSHARE_TENSOR.match(t)
+            if m:
+                keys.add((m.group(1), int(m.group(2))))
+        if len(keys) != 1:
+            raise QuantizeError(
+                f"cannot tell which KV cache feeds MatMul operand {operand} (found {sorted(keys)})"
+            )
+        key = keys.pop()
+        kv_groups[key] = kv_groups.get(key, set()) | group
+
+    # PLE paths: forward from the projection/gate MatMuls up to each layer's post-PLE norm.
+    weight_of = {n.name: next((i for i in n.input if i in inits), None) for n in graph.node}
+    ple: list[str] = []
+    seen_nodes: set[str] = set()
+    todo = [
+        n
+        for n in graph.node
+        if (weight_of[n.name] or "").endswith(PLE_START_WEIGHTS) or set(n.input) & PLE_GRAPH_INPUTS
+    ]
+    while todo:
+        n = todo.pop()
+        if n.name in seen_nodes:
+            continue
+        seen_nodes.add(n.name)
+        ple.append(n.name)
+        if (weight_of[n.name] or "").endswith(PLE_END_WEIGHT):
+            continue
+        for o in n.output:
+            todo += consumers.get(o, [])
+    order = {n.name: i for i, n in enumerate(graph.node)}
+    return GraphAnalysis(act_matmuls, kv_groups, sorted(ple, key=order.get), weights)
+
+
+# ---- calibration ----
+class _FeedsReader:
+    """An onnxruntime CalibrationDataReader over a stream of feeds."""
+
+    def __init__(self, feeds: Iterator[dict[str, np.ndarray]]):
+        self.feeds = feeds
+        self.count = 0
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        item = next(self.feeds, None)
+        if item is not None:
+            self.count += 1
+        return item
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.get_next()
+        if item is None:
+            raise StopIteration
+        return item
+
+
+def kv_ranges(
+    runner, samples: list[list[int]], decode_steps: int
+) -> dict[tuple[str, int], tuple[float, float]]:
+    """Min and max of every owner layer's new K and V entries over the calibration text (with 0: an
+    empty cache slot holds zeros)."""
+    from stages.calibration import decode_split
+
+    ranges: dict[tuple[str, int], list[float]] = {}
+
+    def observe(_spec: GraphSpec, _feeds: Any, outputs: dict[str, np.ndarray], n: int) -> None:
+        for name, value in outputs.items():
+            m = CACHE_TENSOR.match(name)
+            if m:
+                key = (m.group(1), int(m.group(2)))
+                lo, hi = ranges.get(key, [0.0, 0.0])
+                ranges[key] = [min(lo, float(value.min())), max(hi, float(value.max()))]
+
+    runner.observer = observe
+    try:
+        for sample in samples:
+            runner.reset()
+            head, tail = decode_split(sample, decode_steps if "decode" in runner.graphs else 0)
+            for i in range(0, len(head), runner.prefill_ar):
+                runner.step(head[i : i + runner.prefill_ar], role="prefill")
+            for tok in tail:
+                runner.step([tok])
+    finally:
+        runner.observer = None
+    return {k: (v[0], v[1]) for k, v in ranges.items()}
+
+
+def quant_settings(cfg: PipelineConfig, analysis: GraphAnalysis, ranges) -> tuple[dict, list[str]]:
+    """Tensor overrides and excluded nodes for one graph under the config's rules."""
+    from onnxruntime.quantization import QuantType
+
+    overrides: dict[str, list[dict[str, Any]]] = {}
+    for w in analysis.matmul_weights:
+        overrides[w] = [{"axis": 1}]  # output channels of a (in, out) MatMul weight
+    if cfg.ple_policy == "int16":
+        for w in analysis.matmul_weights:
+            if w.endswith(PLE_WEIGHT_SUFFIXES):
+                overrides[w] = [{"axis": 1, "quant_type": QuantType.QInt16, "symmetric": True}]
+    kv_type = QuantType.QUInt8 if cfg.kv_cache_bits == 8 else QuantType.QUInt16
+    for key, tensors in analysis.kv_groups.items():
+        if key not in ranges:
+            raise QuantizeError(f"no calibrated range for the {key[0]} cache of layer {key[1]}")
+        lo, hi = ranges[key]
+        for t in tensors:
+            overrides[t] = [{"quant_type": kv_type, "rmin": np.float32(lo), "rmax": np.float32(hi)}]
+    excluded = analysis.ple_nodes if cfg.ple_policy == "float16" else []
+    return overrides, excluded
+
+
+# ---- audit ----
+ONNX_TYPE_NAMES = {1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 10: "float16", 7: "int64"}
+
+
+def audit(cfg: PipelineConfig, qmodel, analysis: GraphAnalysis) -> dict[str, Any]:
+    """Final types in a QDQ graph: KV operands, the PLE paths, and float tensors left behind."""
+    import onnx
+
+    graph = qmodel.graph
+    inits = {i.name: i for i in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+
+    def tensor_type(t: str) -> str:
+        p = producer.get(t)
+        if p is not None and p.op_type == "DequantizeLinear":
+            src = p.input[0]
+            if src in inits:
+                return ONNX_TYPE_NAMES.get(inits[src].data_type, str(inits[src].data_type))
+            q = producer.get(src)
+            zp = (
+                q.input[2] if q is not None and len(q.input) > 2 else (p.input[2] if len(p.input) > 2 else "")
+            )
+            return ONNX_TYPE_NAMES.get(inits[zp].data_type, "?") if zp in inits else "?"
+        if t in inits:
+            return ONNX_TYPE_NAMES.get(inits[t].data_type, str(inits[t].data_type))
+        return "float32"
+
+    nodes = {n.name: n for n in graph.node}
+    problems: list[str] = []
+    kv_bits = {8: "uint8", 16: "uint16"}[cfg.kv_cache_bits]
+    act = []
+    for name, _ in analysis.act_matmuls:
+        node = nodes.get(name)
+        types = [tensor_type(i) for i in node.input] if node else ["missing"]
+        act.append({"node": name, "inputs": types})
+        if not cfg.soc_info.matmul_16x16 and types[1] != kv_bits:
+            problems.append(
+                f"{name}: second operand is {types[1]}, {cfg.soc} needs {kv_bits} (no 16x16 matmul)"
+            )
+    # One encoding per KV group: the cache input, the new entries and what the MatMul reads.
+    scale_of = {}
+    for n in graph.node:
+        if n.op_type == "QuantizeLinear" and n.input[1] in inits:
+            zp = inits[n.input[2]] if len(n.input) > 2 and n.input[2] in inits else None
+            scale_of[n.input[0]] = (
+                float(onnx.numpy_helper.to_array(inits[n.input[1]])),
+                int(onnx.numpy_helper.to_array(zp)) if zp is not None else 0,
+            )
+    kv_encodings = {}
+    for (which, layer), tensors in sorted(analysis.kv_groups.items()):
+        found = {scale_of[t] for t in tensors if t in scale_of}
+        kv_encodings[f"{which}_{layer}"] = sorted(found)
+        if len(found) != 1:
+            problems.append(f"{which} cache of layer {layer}: {len(found)} encodings {sorted(found)}")
+    ple_names = set(analysis.ple_nodes)
+
+    def origin(t: str) -> Any:
+        """The node that computed t's value, looking through Q/DQ pairs."""
+        p = producer.get(t)
+        while p is not None and p.op_type in ("QuantizeLinear", "DequantizeLinear"):
+            p = producer.get(p.input[0])
+        return p
+
+    ple = []
+    for name in analysis.ple_nodes:
+        node = nodes.get(name)
+        if node is None:
+            problems.append(f"PLE node {name} is missing from the quantized graph")
+            continue
+        for t in node.input:
+            if not t or (t in inits and inits[t].data_type == 7):
+                continue
+            kind = tensor_type(t)
+            src = origin(t)
+            if t in inits or (producer.get(t) is not None and producer[t].input[0] in inits):
+                role = "weight"
+            elif src is not None and src.name in ple_names:
+                role = "internal"
+            else:
+                role = "boundary"  # enters the path from the quantized graph or a graph input
+            ple.append({"node": name, "tensor": t, "role": role, "type": kind})
+            if role == "boundary":
+                continue
+            if cfg.ple_policy == "float16":
+                want = "float32"  # excluded from quantization: float16 on the HTP
+            elif role == "weight" and node.op_type == "MatMul":
+                want = "int16" if cfg.ple_policy == "int16" else "int8"
+            else:
+                want = "quantized"  # activations 16-bit; norm scales and constants any fixed-point type
+            ok = kind == want or (want == "quantized" and kind not in ("float32", "float16"))
+            if not ok:
+                problems.append(f"PLE {name}: {role} {t} is {kind}, policy {cfg.ple_policy} wants {want}")
+    leftover = []
+    for n in graph.node:
+        if n.op_type in ("QuantizeLinear", "DequantizeLinear") or n.name in ple_names:
+            continue
+        for t in n.input:
+            if t and tensor_type(t) == "float32" and not (t in inits and inits[t].data_type != 1):
+                leftover.append(f"{n.name}:{t}")
+    if leftover:
+        problems.append(
+            f"{len(leftover)} float inputs outside the PLE policy, e.g. {', '.join(leftover[:3])}"
+        )
+    return {
+        "activation_matmuls": act,
+        "kv_encodings": kv_encodings,
+        "ple_tensors": ple,
+        "float_leftovers": leftover,
+        "problems": problems,
+    }
+
+
+# ---- quality ----
+def chain_logits(runner, sample: list[int], decode_steps: int) -> np.ndarray:
+    """Teacher-forced logits for every position but the last: prefill, then decode steps."""
+    from stages.calibration import decode_split
+
+    runner.reset()
+    head, tail = decode_split(sample, decode_steps if "decode" in runner.graphs else 0)
+    out = [runner.prefill(head)]
+    out += [runner.step([tok]) for tok in tail[:-1]] if tail else []
+    return np.concatenate(out)[: len(sample) - 1]
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def compare_chains(fp_runner, q_runner, samples: list[list[int]], decode_steps: int) -> dict[str, float]:
+    agree, kl, nll_fp, nll_q, count = 0, 0.0, 0.0, 0.0, 0
+    for sample in samples:
+        lp_fp = _log_softmax(chain_logits(fp_runner, sample, decode_steps))
+        lp_q = _log_softmax(chain_logits(q_runner, sample, decode_steps))
+        targets = np.array(sample[1:])
+        idx = np.arange(len(targets))
+        agree += int((lp_fp.argmax(-1) == lp_q.argmax(-1)).sum())
+        kl += float((np.exp(lp_fp) * (lp_fp - lp_q)).sum())
+        nll_fp -= float(lp_fp[idx, targets].sum())
+        nll_q -= float(lp_q[idx, targets].sum())
+        count += len(targets)
+    return {
+        "tokens": count,
+        "top1_agreement": round(agree / count, 4),
+        "kl_divergence": round(kl / count, 5),
+        "perplexity_fp": round(math.exp(nll_fp / count), 4),
+        "perplexity_quantized": round(math.exp(nll_q / count), 4),
+    }
+
+
+def output_sqnr(fp_runner, q_paths: dict[str, Path], samples: list[list[int]]) -> dict[str, dict[str, float]]:
+    """Per graph and output, the SQNR (dB) of the quantized graph fed the float chain's inputs."""
+    import onnxruntime as ort
+
+    sessions = {
+        name: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for name, p in q_paths.items()
+    }
+    signal: dict[tuple[str, str], float] = defaultdict(float)
+    noise: dict[tuple[str, str], float] = defaultdict(float)
+
+    def observe(spec: GraphSpec, feeds: dict, outputs: dict, _n: int) -> None:
+        got = sessions[spec.name].run(list(outputs), feeds)
+        for (name, ref), q in zip(outputs.items(), got, strict=True):
+            signal[spec.name, name] += float(np.square(ref, dtype=np.float64).sum())
+            noise[spec.name, name] += float(np.square(ref - q, dtype=np.float64).sum())
+
+    fp_runner.observer = observe
+    try:
+        for sample in samples:
+            fp_runner.reset()
+            fp_runner.prefill(sample)
+    finally:
+        fp_runner.observer = None
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for (graph, name), s in signal.items():
+        out[graph][name] = (
+            round(10 * math.log10(s / noise[graph, name]), 2) if noise[graph, name] > 0 else 99.0
+        )
+    return dict(out)
+
+
+# ---- the stage ----
+@dataclass
+class QuantizedGraphs:
+    paths: dict[str, Path]
+    kv_ranges: dict[str, list[float]]
+    figures: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def quantize_graphs(
+    cfg: PipelineConfig,
+    export_dir: Path,
+    out_dir: Path,
+    samples: list[list[int]],
+    decode_steps: int,
+    calibration_providers: list[str] | None = None,
+) -> QuantizedGraphs:
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+    from tqdm import tqdm
+
+    from stages.calibration import graph_feeds
+    from stages.runner import HostRunner
+
+    runner = HostRunner.from_export(export_dir, luts=True)
+    ranges = kv_ranges(runner, samples, decode_steps)
+    result = QuantizedGraphs(
+        paths={}, kv_ranges={f"{k}_{layer}": list(v) for (k, layer), v in sorted(ranges.items())}
+    )
+    graphs = [sp for role in runner.graphs for sp in runner.graphs[role]]
+    for spec, src in tqdm(graphs, desc=f"quantize ({cfg.ple_policy})", unit="graph"):
+        model = onnx.load(str(src), load_external_data=False)
+        analysis = analyse(model)
+        overrides, excluded = quant_settings(cfg, analysis, ranges)
+        reader = _FeedsReader(graph_feeds(runner, samples, spec.role, spec.part, decode_steps))
+        qcfg = get_qnn_qdq_config(
+            str(src),
+            reader,
+            activation_type=QuantType.QUInt16,
+            weight_type=QuantType.QInt8,
+            init_overrides=overrides,
+            # Converts would make Q (the MatMul's first operand) 8-bit like K; 16x8 is what v69 runs.
+            add_qtype_converts=False,
+            nodes_to_exclude=excluded or None,
+            calibration_providers=calibration_providers,
+        )
+        dest = out_dir / qdq_name(spec.name)
+        t0 = time.perf_counter()
+        quantize(str(src), str(dest), qcfg)
+        checked = audit(cfg, onnx.load(str(dest), load_external_data=False), analysis)
+        result.problems += [f"{spec.name}: {p}" for p in checked["problems"]]
+        result.paths[spec.name] = dest
+        result.figures.append(
+            {
+                "name": spec.name,
+                "qdq_onnx": dest.name,
+                "calibration_calls": reader.count,
+                "quantize_s": round(time.perf_counter() - t0, 3),
+                "kv_layers": sorted(f"{k}_{layer}" for k, layer in analysis.kv_groups),
+                "audit": checked,
+            }
+        )
+    return result
+
+
+def _quality(cfg, export_dir: Path, q: QuantizedGraphs, eval_samples, decode_steps) -> dict[str, Any]:
+    from stages.runner import HostRunner
+
+    fp = HostRunner.from_export(export_dir, luts=True)
+    quantized = HostRunner.from_export(export_dir, luts=True, graph_dir=next(iter(q.paths.values())).parent)
+    chains = compare_chains(fp, quantized, eval_samples, decode_steps)
+    prefill = {name: p for name, p in q.paths.items() if name.startswith("prefill")}
+    return {**chains, "sqnr_db": output_sqnr(fp, prefill, eval_samples[:1])}
+
+
+def _guarded(fn, *args):
+    """Turn a broken graph file into an error that says which export to redo."""
+    from google.protobuf.message import DecodeError
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidGraph, InvalidProtobuf
+
+    try:
+        return fn(*args)
+    except (DecodeError, Fail, InvalidGraph, InvalidProtobuf) as e:
+        raise QuantizeError(
+            f"an exported graph cannot be read ({e.__class__.__name__}: {str(e)[:200]}); "
+            "the exported/ folder is corrupt or from another export: run `make export` again"
+        ) from None
+
+
+def _providers(provider: str) -> list[str]:
+    """onnxruntime providers for calibration; ROCm only where an AMD GPU and the ROCm build are present."""
+    if provider == "cpu":
+        return ["CPUExecutionProvider"]
+    if provider != "rocm":
+        raise QuantizeError(f"--provider {provider!r} is not allowed; allowed values: cpu, rocm")
+    import onnxruntime as ort
+
+    if "ROCMExecutionProvider" not in ort.get_available_providers():
+        raise QuantizeError(
+            "--provider rocm: this onnxruntime has no ROCMExecutionProvider; run in the quant-rocm image "
+            "(make quantize QUANT_IMAGE=quant-rocm QUANT_ARGS=--provider=rocm) or use --provider cpu"
+        )
+    if not Path("/dev/kfd").exists():
+        raise QuantizeError(
+            "--provider rocm: no AMD GPU here (/dev/kfd is missing; pass --device /dev/kfd "
+            "--device /dev/dri to docker); use --provider cpu"
+        )
+    return ["ROCMExecutionProvider", "CPUExecutionProvider"]
+
+
+def run_quantize(
+    cfg: PipelineConfig,
+    workdir: Path,
+    checkpoint_dir: Path,
+    calibration_files: list[Path] | None = None,
+    compare_ple_policies: bool = False,
+    provider: str = "cpu",
+) -> dict[str, Any]:
+    """The whole stage; returns the report. Bad input raises QuantizeError and leaves nothing."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from stages.calibration import load_texts, token_samples
+    from stages.chat import ChatTokenizer
+    from stages.quality_report import write_quality_html
+
+    calibration_providers = _providers(provider)
+    export_dir = workdir / "exported"
+    report = read_report(export_dir)
+    if report is None:
+        raise QuantizeError(
+            f"{export_dir} holds no finished export (no {REPORT_NAME}); run `make export` first"
+        )
+    missing = [g["onnx"] for g in report["figures"]["graphs"] if not (export_dir / g["onnx"]).is_file()]
+    if missing:
+        raise QuantizeError(
+            f"{export_dir} is incomplete: {', '.join(missing)} missing; run `make export` again"
+        )
+    from stages.checkpoint import Checkpoint
+
+    tok = ChatTokenizer(checkpoint_dir)
+    bos = Checkpoint(checkpoint_dir).geometry.config.get("bos_token_id", 2)
+    # A sample must fit the context the graphs were built for (whole prefill chunks).
+    length = min(cfg.calibration_tokens, cfg.max_context - cfg.max_context % cfg.prefill_ar)
+    texts = load_texts(cfg, "calibration", calibration_files)
+    samples = token_samples(texts, tok.encode, bos, cfg.calibration_samples, length)
+    eval_samples = token_samples(
+        load_texts(cfg, "heldout", None), tok.encode, bos, EVAL_SAMPLES, min(length, 512)
+    )
+    decode_steps = min(DECODE_CALIBRATION_STEPS, length // 2)
+    out_dir = workdir / "quantized"
+    options = {"model": cfg.model, **{k: getattr(cfg, k) for k in stage_fields("quantize")}}
+    inputs = [export_dir / REPORT_NAME] + [export_dir / g["onnx"] for g in report["figures"]["graphs"]]
+    with stage_output("quantize", out_dir, inputs, options, root=workdir) as run:
+        main = _guarded(
+            quantize_graphs, cfg, export_dir, run.dir, samples, decode_steps, calibration_providers
+        )
+        if main.problems:
+            raise QuantizeError("the quantized graphs break the rules: " + "; ".join(main.problems[:5]))
+        encodings: dict[str, set] = defaultdict(set)
+        for g in main.figures:
+            for key, found in g["audit"]["kv_encodings"].items():
+                encodings[key] |= {tuple(e) for e in found}
+        split = [k for k, v in encodings.items() if len(v) != 1]
+        if split:
+            raise QuantizeError(f"KV caches {', '.join(split)} differ in encoding between graphs")
+        quality = {cfg.ple_policy: _quality(cfg, export_dir, main, eval_samples, decode_steps)}
+        if compare_ple_policies:
+            for policy in (p for p in ("float16", "int16", "int8") if p != cfg.ple_policy):
+                with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+                    other = quantize_graphs(
+                        dataclasses.replace(cfg, ple_policy=policy),
+                        export_dir,
+                        Path(tmp),
+                        samples,
+                        decode_steps,
+                    )
+                    quality[policy] = {
+                        **_quality(cfg, export_dir, other, eval_samples, decode_steps),
+                        "audit_problems": other.problems,
+                    }
+                    shutil.rmtree(tmp, ignore_errors=True)
+        run.figures.update(
+            {
+                "soc": cfg.soc,
+                "kv_cache_bits": cfg.kv_cache_bits,
+                "ple_policy": cfg.ple_policy,
+                "ple_lut_bits": report["figures"]["luts"].get("per_layer_embedding", {}).get("bits"),
+                "calibration": {
+                    "dataset": cfg.calibration_dataset,
+                    "files": [str(f) for f in calibration_files or []],
+                    "samples": len(samples),
+                    "tokens_per_sample": length,
+                    "decode_steps_per_sample": decode_steps,
+                    "method": "MinMax",
+                },
+                "evaluation": {"samples": len(eval_samples), "tokens_per_sample": len(eval_samples[0])},
+                "kv_ranges": main.kv_ranges,
+                "graphs": main.figures,
+                "quality": quality,
+            }
+        )
+        write_quality_html(run.dir / "quality.html", run.figures)
+    return read_report(out_dir)

@@ -1,0 +1,134 @@
+"""The trained tiny model through download, export and quantize: the v69 rules, the PLE policies, no
+float left behind, quality on held-out text, and the quantized chain still writing text."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import onnx
+import pytest
+
+from stages.config import load_config
+from stages.download import run_download
+from stages.export import run_export
+from stages.quantize import QuantizeError, analyse, audit, run_quantize
+from stages.runner import HostRunner
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("quant")
+    run_download("tiny", "main", work / "checkpoints" / "tiny")
+    run_export(load_config("tiny"), work, work / "checkpoints" / "tiny")
+    return work
+
+
+def _quantize(exported: Path, tmp: Path, compare: bool = False, **overrides) -> tuple[Path, dict]:
+    work = tmp / "work"
+    shutil.copytree(exported, work, symlinks=True)
+    report = run_quantize(
+        load_config("tiny", overrides), work, work / "checkpoints" / "tiny", compare_ple_policies=compare
+    )
+    return work, report
+
+
+@pytest.fixture(scope="module")
+def sm8450(exported, tmp_path_factory):
+    return _quantize(exported, tmp_path_factory.mktemp("sm8450"), compare=True)
+
+
+def test_quality_on_held_out_text_meets_the_bar(sm8450):
+    _, report = sm8450
+    q = report["figures"]["quality"]["float16"]
+    assert q["tokens"] > 400
+    assert q["top1_agreement"] >= 0.95
+    assert q["perplexity_quantized"] <= 1.05 * q["perplexity_fp"]
+    assert q["kl_divergence"] < 0.05
+    for policy in ("int16", "int8"):
+        assert report["figures"]["quality"][policy]["audit_problems"] == []
+    assert (sm8450[0] / "quantized" / "quality.html").read_text().count("<svg") == 2
+
+
+def test_kv_is_8_bit_with_one_encoding_per_cache_on_v69(sm8450):
+    _, report = sm8450
+    assert report["figures"]["kv_cache_bits"] == 8
+    encodings: dict[str, set] = {}
+    for g in report["figures"]["graphs"]:
+        act = g["audit"]["activation_matmuls"]
+        assert act and all(m["inputs"] == ["uint16", "uint8"] for m in act), act
+        for key, found in g["audit"]["kv_encodings"].items():
+            assert len(found) == 1
+            encodings.setdefault(key, set()).add(tuple(found[0]))
+    assert set(encodings) == {f"{w}_{i}" for w in ("key", "value") for i in (0, 1, 2)}
+    assert all(len(v) == 1 for v in encodings.values())  # the same across prefill, decode and parts
+
+
+def test_ple_paths_stay_float_and_nothing_else_does(sm8450):
+    _, report = sm8450
+    for g in report["figures"]["graphs"]:
+        audit_ = g["audit"]
+        assert audit_["problems"] == [] and audit_["float_leftovers"] == []
+        inside = [t for t in audit_["ple_tensors"] if t["role"] != "boundary"]
+        assert inside and all(t["type"] == "float32" for t in inside)
+        assert {t["role"] for t in inside} == {"weight", "internal"}
+
+
+def test_int8_policy_quantizes_the_ple_weights(sm8450, tmp_path):
+    work, report = sm8450
+    cfg = load_config("tiny", {"ple_policy": "int8"})
+    export_dir = work / "exported"
+    # The audit on the float16 graphs, judged by the int8 policy, must complain: it is not vacuous.
+    g = report["figures"]["graphs"][0]
+    model = onnx.load(str(work / "quantized" / g["qdq_onnx"]))
+    analysis = analyse(onnx.load(str(export_dir / f"{g['name']}.onnx")))
+    assert audit(cfg, model, analysis)["problems"]
+
+
+def test_sm8650_may_keep_16_bit_kv(exported, tmp_path):
+    _, report = _quantize(exported, tmp_path, soc="SM8650")
+    assert report["figures"]["kv_cache_bits"] == 16
+    for g in report["figures"]["graphs"]:
+        assert all(m["inputs"][1] == "uint16" for m in g["audit"]["activation_matmuls"])
+
+
+def test_quantized_chain_still_writes_text(sm8450):
+    from stages.chat import ChatTokenizer
+
+    work, _ = sm8450
+    runner = HostRunner.from_export(work / "exported", luts=True, graph_dir=work / "quantized")
+    tok = ChatTokenizer(work / "checkpoints" / "tiny")
+    gen = runner.generate(tok.encode("Return the number of"), 24)
+    text = tok.decode(gen.tokens)
+    assert len(gen.tokens) == 24 and sum(c.isalpha() for c in text) > 10, text
+
+
+def test_a_corrupt_or_incomplete_export_fails_cleanly(exported, tmp_path):
+    work = tmp_path / "work"
+    shutil.copytree(exported, work, symlinks=True)
+    graph = next((work / "exported").glob("decode_*part2*.onnx"))
+    graph.write_bytes(graph.read_bytes()[:1000])
+    with pytest.raises(QuantizeError, match="run `make export` again"):
+        run_quantize(load_config("tiny"), work, work / "checkpoints" / "tiny")
+    graph.unlink()
+    with pytest.raises(QuantizeError, match="missing; run `make export` again"):
+        run_quantize(load_config("tiny"), work, work / "checkpoints" / "tiny")
+    assert not (work / "quantized").exists()
+    assert not [p for p in work.iterdir() if p.name.startswith(".quantized")]
+
+
+def test_calibration_files_in_jsonl_and_a_bad_one(exported, tmp_path):
+    from stages.calibration import CalibrationError, read_text_files
+    from stages.tiny_model import read_corpus
+
+    jsonl = tmp_path / "cal.jsonl"
+    text = read_corpus("calibration")
+    jsonl.write_text("\n".join(json.dumps({"text": text[i : i + 2000]}) for i in range(0, 20000, 2000)))
+    assert "".join(read_text_files([jsonl])) == text[:20000]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "no text field"}\n')
+    with pytest.raises(CalibrationError, match="bad.jsonl:1 is not a JSON object with a 'text' field"):
+        read_text_files([bad])
