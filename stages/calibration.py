@@ -103,9 +103,12 @@ def decode_split(sample: list[int], decode_steps: int) -> tuple[list[int], list[
 def graph_feeds(
     runner, samples: list[list[int]], role: str, part: int, decode_steps: int
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Inputs of one graph (role, 1-based part) as the FP chain produces them, one call at a time.
+    """Inputs of one graph (role, 1-based part) as the float chain produces them, one call at a time.
 
-    Runs only the parts up to `part`, streaming, so memory does not grow with the sample count.
+    Runs only the parts up to `part` and streams, so memory does not grow with the sample count. For
+    decode graphs, every sample's beginning is prefilled first and its cache state kept; the prefill
+    graphs are then released before the decode steps run, so the two graph kinds (each a full copy of
+    the weights) are never loaded together.
     """
     captured: list[dict[str, np.ndarray]] = []
 
@@ -113,22 +116,32 @@ def graph_feeds(
         if spec.role == role and spec.part == part:
             captured.append({k: np.array(v, copy=True) for k, v in feeds.items()})
 
+    ar = runner.prefill_ar
     runner.observer = observe
     try:
-        for sample in samples:
-            runner.reset()
-            head, tail = decode_split(sample, decode_steps) if role == "decode" else (sample, [])
-            ar = runner.prefill_ar
-            for i in range(0, len(head), ar):
-                runner.step(head[i : i + ar], role="prefill", parts=part)
-                yield from captured
-                captured.clear()
-            if role == "decode":
-                for tok in tail:
-                    if runner.position + 1 > runner.context:
-                        break
-                    runner.step([tok], role="decode", parts=part)
+        if role == "prefill":
+            for sample in samples:
+                runner.reset()
+                for i in range(0, len(sample), ar):
+                    runner.step(sample[i : i + ar], role="prefill", parts=part)
                     yield from captured
                     captured.clear()
+            return
+        states = []
+        for sample in samples:
+            head, tail = decode_split(sample, decode_steps)
+            runner.reset()
+            for i in range(0, len(head), ar):
+                runner.step(head[i : i + ar], role="prefill", parts=part)
+            states.append((runner.snapshot(), tail))
+        runner.release("prefill")
+        for state, tail in states:
+            runner.restore(state)
+            for tok in tail:
+                if runner.position + 1 > runner.context:
+                    break
+                runner.step([tok], role="decode", parts=part)
+                yield from captured
+                captured.clear()
     finally:
         runner.observer = None

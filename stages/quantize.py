@@ -165,13 +165,13 @@ class _FeedsReader:
         return item
 
 
-def kv_ranges(
-    runner, samples: list[list[int]], decode_steps: int
-) -> dict[tuple[str, int], tuple[float, float]]:
+def kv_ranges(runner, samples: list[list[int]]) -> dict[tuple[str, int], tuple[float, float]]:
     """Min and max of every owner layer's new K and V entries over the calibration text (with 0: an
-    empty cache slot holds zeros)."""
-    from stages.calibration import decode_split
+    empty cache slot holds zeros).
 
+    Prefill graphs over whole samples suffice: a token's K/V depend only on the tokens before it, so
+    decode steps over the same text produce the same entries. Only one graph kind is ever loaded.
+    """
     ranges: dict[tuple[str, int], list[float]] = {}
 
     def observe(_spec: GraphSpec, _feeds: Any, outputs: dict[str, np.ndarray], n: int) -> None:
@@ -180,19 +180,17 @@ def kv_ranges(
             if m:
                 key = (m.group(1), int(m.group(2)))
                 lo, hi = ranges.get(key, [0.0, 0.0])
-                ranges[key] = [min(lo, float(value.min())), max(hi, float(value.max()))]
+                new = value[..., :n] if "_key_" in name else value[..., :n, :]  # the real tokens only
+                ranges[key] = [min(lo, float(new.min())), max(hi, float(new.max()))]
 
     runner.observer = observe
     try:
         for sample in samples:
             runner.reset()
-            head, tail = decode_split(sample, decode_steps if "decode" in runner.graphs else 0)
-            for i in range(0, len(head), runner.prefill_ar):
-                runner.step(head[i : i + runner.prefill_ar], role="prefill")
-            for tok in tail:
-                runner.step([tok])
+            runner.prefill(sample)
     finally:
         runner.observer = None
+        runner.release("prefill")
     return {k: (v[0], v[1]) for k, v in ranges.items()}
 
 
@@ -426,7 +424,7 @@ def quantize_graphs(
     from stages.runner import HostRunner
 
     runner = HostRunner.from_export(export_dir, luts=True)
-    ranges = kv_ranges(runner, samples, decode_steps)
+    ranges = kv_ranges(runner, samples)
     result = QuantizedGraphs(
         paths={}, kv_ranges={f"{k}_{layer}": list(v) for (k, layer), v in sorted(ranges.items())}
     )

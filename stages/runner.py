@@ -284,6 +284,17 @@ class HostRunner:
         for _, path in self.graphs.get(role, []):
             self._sessions.pop(path, None)
 
+    def snapshot(self) -> tuple[int, _Caches]:
+        """The position and a copy of the caches, to continue from later with restore()."""
+        import copy
+
+        return self.position, copy.deepcopy(self.caches)
+
+    def restore(self, state: tuple[int, _Caches]) -> None:
+        import copy
+
+        self.position, self.caches = state[0], copy.deepcopy(state[1])
+
     def reset(self) -> None:
         self.position = 0
         self.caches = _Caches(self.geo, self.context)
