@@ -100,6 +100,13 @@ def decode_split(sample: list[int], decode_steps: int) -> tuple[list[int], list[
     return sample[: len(sample) - steps], sample[len(sample) - steps :]
 
 
+def calls(samples: list[list[int]], role: str, prefill_ar: int, decode_steps: int) -> int:
+    """How many calls of a graph kind graph_feeds() makes for these samples."""
+    if role == "prefill":
+        return sum(-(-len(s) // prefill_ar) for s in samples)
+    return sum(len(decode_split(s, decode_steps)[1]) for s in samples)
+
+
 def graph_feeds(
     runner, samples: list[list[int]], role: str, part: int, decode_steps: int
 ) -> Iterator[dict[str, np.ndarray]]:

@@ -51,6 +51,21 @@ PLE_WEIGHT_SUFFIXES = (
     "post_per_layer_input_norm.weight",
 )
 DECODE_CALIBRATION_STEPS = 64
+
+
+def _method(name: str):
+    from onnxruntime.quantization import CalibrationMethod
+
+    return getattr(CalibrationMethod, name)
+
+
+# MinMax keeps running extremes (flat memory); the others keep every tensor of every call, so use a
+# stride (calls per collection) with them on big graphs.
+CALIBRATION_METHODS = {
+    "minmax": lambda: _method("MinMax"),
+    "entropy": lambda: _method("Entropy"),
+    "percentile": lambda: _method("Percentile"),
+}
 EVAL_SAMPLES = 4
 
 
@@ -145,11 +160,24 @@ def analyse(model) -> GraphAnalysis:
 class _FeedsReader:
     """An onnxruntime CalibrationDataReader over a stream of feeds."""
 
-    def __init__(self, feeds: Iterator[dict[str, np.ndarray]]):
+    def __init__(self, feeds: Iterator[dict[str, np.ndarray]], expected: int):
         self.feeds = feeds
+        self.expected = expected  # onnxruntime's strided calibrators ask for len()
         self.count = 0
+        self.budget: int | None = None
+
+    def __len__(self) -> int:
+        return self.expected
+
+    def set_range(self, start_index: int, end_index: int) -> None:
+        """Strided calibration asks for the calls in consecutive ranges; the stream is already in order."""
+        self.budget = end_index - start_index
 
     def get_next(self) -> dict[str, np.ndarray] | None:
+        if self.budget is not None:
+            if self.budget == 0:
+                return None
+            self.budget -= 1
         item = next(self.feeds, None)
         if item is not None:
             self.count += 1
@@ -414,13 +442,15 @@ def quantize_graphs(
     samples: list[list[int]],
     decode_steps: int,
     calibration_providers: list[str] | None = None,
+    method: str = "minmax",
+    stride: int | None = None,
 ) -> QuantizedGraphs:
     import onnx
     from onnxruntime.quantization import QuantType, quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
     from tqdm import tqdm
 
-    from stages.calibration import graph_feeds
+    from stages.calibration import calls, graph_feeds
     from stages.runner import HostRunner
 
     runner = HostRunner.from_export(export_dir, luts=True)
@@ -433,7 +463,10 @@ def quantize_graphs(
         model = onnx.load(str(src), load_external_data=False)
         analysis = analyse(model)
         overrides, excluded = quant_settings(cfg, analysis, ranges)
-        reader = _FeedsReader(graph_feeds(runner, samples, spec.role, spec.part, decode_steps))
+        expected = calls(samples, spec.role, runner.prefill_ar, decode_steps)
+        reader = _FeedsReader(graph_feeds(runner, samples, spec.role, spec.part, decode_steps), expected)
+        # onnxruntime wants the call count divisible by the stride: the largest divisor up to it.
+        graph_stride = max(d for d in range(1, stride + 1) if expected % d == 0) if stride else None
         qcfg = get_qnn_qdq_config(
             str(src),
             reader,
@@ -444,6 +477,8 @@ def quantize_graphs(
             add_qtype_converts=False,
             nodes_to_exclude=excluded or None,
             calibration_providers=calibration_providers,
+            calibrate_method=CALIBRATION_METHODS[method](),
+            stride=graph_stride,
         )
         dest = out_dir / qdq_name(spec.name)
         t0 = time.perf_counter()
@@ -456,6 +491,7 @@ def quantize_graphs(
                 "name": spec.name,
                 "qdq_onnx": dest.name,
                 "calibration_calls": reader.count,
+                "calibration_stride": graph_stride,
                 "quantize_s": round(time.perf_counter() - t0, 3),
                 "kv_layers": sorted(f"{k}_{layer}" for k, layer in analysis.kv_groups),
                 "audit": checked,
@@ -516,6 +552,8 @@ def run_quantize(
     calibration_files: list[Path] | None = None,
     compare_ple_policies: bool = False,
     provider: str = "cpu",
+    method: str = "minmax",
+    stride: int | None = None,
 ) -> dict[str, Any]:
     """The whole stage; returns the report. Bad input raises QuantizeError and leaves nothing."""
     import dataclasses
@@ -554,9 +592,21 @@ def run_quantize(
     options = {"model": cfg.model, **{k: getattr(cfg, k) for k in stage_fields("quantize")}}
     inputs = [export_dir / REPORT_NAME] + [export_dir / g["onnx"] for g in report["figures"]["graphs"]]
     with stage_output("quantize", out_dir, inputs, options, root=workdir) as run:
-        main = _guarded(
-            quantize_graphs, cfg, export_dir, run.dir, samples, decode_steps, calibration_providers
-        )
+
+        def quantize_with(policy_cfg: PipelineConfig, out: Path) -> QuantizedGraphs:
+            return _guarded(
+                quantize_graphs,
+                policy_cfg,
+                export_dir,
+                out,
+                samples,
+                decode_steps,
+                calibration_providers,
+                method,
+                stride,
+            )
+
+        main = quantize_with(cfg, run.dir)
         if main.problems:
             raise QuantizeError("the quantized graphs break the rules: " + "; ".join(main.problems[:5]))
         encodings: dict[str, set] = defaultdict(set)
@@ -570,13 +620,7 @@ def run_quantize(
         if compare_ple_policies:
             for policy in (p for p in ("float16", "int16", "int8") if p != cfg.ple_policy):
                 with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-                    other = quantize_graphs(
-                        dataclasses.replace(cfg, ple_policy=policy),
-                        export_dir,
-                        Path(tmp),
-                        samples,
-                        decode_steps,
-                    )
+                    other = quantize_with(dataclasses.replace(cfg, ple_policy=policy), Path(tmp))
                     quality[policy] = {
                         **_quality(cfg, export_dir, other, eval_samples, decode_steps),
                         "audit_problems": other.problems,
@@ -594,7 +638,8 @@ def run_quantize(
                     "samples": len(samples),
                     "tokens_per_sample": length,
                     "decode_steps_per_sample": decode_steps,
-                    "method": "MinMax",
+                    "method": method,
+                    "stride": stride,
                 },
                 "evaluation": {"samples": len(eval_samples), "tokens_per_sample": len(eval_samples[0])},
                 "kv_ranges": main.kv_ranges,

@@ -132,3 +132,31 @@ def test_calibration_files_in_jsonl_and_a_bad_one(exported, tmp_path):
     bad.write_text('{"body": "no text field"}\n')
     with pytest.raises(CalibrationError, match="bad.jsonl:1 is not a JSON object with a 'text' field"):
         read_text_files([bad])
+
+
+def test_parquet_calibration_and_the_entropy_method(exported, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stages.tiny_model import read_corpus
+
+    text = read_corpus("calibration")
+    parquet = tmp_path / "cal.parquet"
+    pq.write_table(pa.table({"text": [text[i : i + 4000] for i in range(0, 40000, 4000)]}), parquet)
+    work = tmp_path / "work"
+    shutil.copytree(exported, work, symlinks=True)
+    report = run_quantize(
+        load_config("tiny", {"calibration_samples": 2}),
+        work,
+        work / "checkpoints" / "tiny",
+        [parquet],
+        method="entropy",
+        stride=4,
+    )
+    cal = report["figures"]["calibration"]
+    assert cal["files"] == [str(parquet)] and cal["method"] == "entropy" and cal["stride"] == 4
+    for g in report["figures"]["graphs"]:
+        calls = 2 * 128 // 16 if g["name"].startswith("prefill") else 2 * 64
+        assert g["calibration_calls"] == calls and g["calibration_stride"] == 4
+    # Entropy clips outliers: a bit below MinMax on this model, still close to the float chain.
+    assert report["figures"]["quality"]["float16"]["top1_agreement"] > 0.85
