@@ -357,15 +357,26 @@ def audit(cfg: PipelineConfig, qmodel, analysis: GraphAnalysis) -> dict[str, Any
 
 
 # ---- quality ----
-def chain_logits(runner, sample: list[int], decode_steps: int) -> np.ndarray:
-    """Teacher-forced logits for every position but the last: prefill, then decode steps."""
+def chain_logits(runner, samples: list[list[int]], decode_steps: int) -> list[np.ndarray]:
+    """Teacher-forced logits for every position but the last of each sample: its beginning through
+    the prefill graphs, the rest as decode steps. All prefills run first and their cache states are
+    kept, so prefill and decode graphs (each a full copy of the weights) are never loaded together."""
     from stages.calibration import decode_split
 
-    runner.reset()
-    head, tail = decode_split(sample, decode_steps if "decode" in runner.graphs else 0)
-    out = [runner.prefill(head)]
-    out += [runner.step([tok]) for tok in tail[:-1]] if tail else []
-    return np.concatenate(out)[: len(sample) - 1]
+    use_decode = "decode" in runner.graphs
+    heads = []
+    for sample in samples:
+        head, tail = decode_split(sample, decode_steps if use_decode else 0)
+        runner.reset()
+        heads.append((runner.prefill(head), runner.snapshot(), tail))
+    runner.release("prefill")
+    out = []
+    for sample, (logits, state, tail) in zip(samples, heads, strict=True):
+        runner.restore(state)
+        rows = [logits] + [runner.step([tok]) for tok in tail[:-1]]
+        out.append(np.concatenate(rows)[: len(sample) - 1])
+    runner.release("decode")
+    return out
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -376,9 +387,10 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def compare_chains(fp_runner, q_runner, samples: list[list[int]], decode_steps: int) -> dict[str, float]:
     agree, kl, nll_fp, nll_q, count = 0, 0.0, 0.0, 0.0, 0
-    for sample in samples:
-        lp_fp = _log_softmax(chain_logits(fp_runner, sample, decode_steps))
-        lp_q = _log_softmax(chain_logits(q_runner, sample, decode_steps))
+    fp_logits = chain_logits(fp_runner, samples, decode_steps)
+    q_logits = chain_logits(q_runner, samples, decode_steps)
+    for sample, fp, q in zip(samples, fp_logits, q_logits, strict=True):
+        lp_fp, lp_q = _log_softmax(fp), _log_softmax(q)
         targets = np.array(sample[1:])
         idx = np.arange(len(targets))
         agree += int((lp_fp.argmax(-1) == lp_q.argmax(-1)).sum())
@@ -396,34 +408,50 @@ def compare_chains(fp_runner, q_runner, samples: list[list[int]], decode_steps: 
 
 
 def output_sqnr(fp_runner, q_paths: dict[str, Path], samples: list[list[int]]) -> dict[str, dict[str, float]]:
-    """Per graph and output, the SQNR (dB) of the quantized graph fed the float chain's inputs."""
+    """Per graph and output, the SQNR (dB) of the quantized graph fed the float chain's inputs.
+
+    One graph at a time: the float chain runs up to that graph's part and only that quantized graph
+    is loaded beside it."""
     import onnxruntime as ort
 
-    sessions = {
-        name: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for name, p in q_paths.items()
-    }
-    signal: dict[tuple[str, str], float] = defaultdict(float)
-    noise: dict[tuple[str, str], float] = defaultdict(float)
+    out: dict[str, dict[str, float]] = {}
+    for spec, _ in fp_runner.graphs["prefill"]:
+        session = ort.InferenceSession(str(q_paths[spec.name]), providers=["CPUExecutionProvider"])
+        signal: dict[str, float] = defaultdict(float)
+        noise: dict[str, float] = defaultdict(float)
 
-    def observe(spec: GraphSpec, feeds: dict, outputs: dict, _n: int) -> None:
-        got = sessions[spec.name].run(list(outputs), feeds)
-        for (name, ref), q in zip(outputs.items(), got, strict=True):
-            signal[spec.name, name] += float(np.square(ref, dtype=np.float64).sum())
-            noise[spec.name, name] += float(np.square(ref - q, dtype=np.float64).sum())
+        def observe(
+            seen: GraphSpec,
+            feeds: dict,
+            outputs: dict,
+            _n: int,
+            spec=spec,
+            session=session,
+            signal=signal,
+            noise=noise,
+        ) -> None:
+            if seen.name != spec.name:
+                return
+            got = session.run(list(outputs), feeds)
+            for (name, ref), q in zip(outputs.items(), got, strict=True):
+                signal[name] += float(np.square(ref, dtype=np.float64).sum())
+                noise[name] += float(np.square(ref - q, dtype=np.float64).sum())
 
-    fp_runner.observer = observe
-    try:
-        for sample in samples:
-            fp_runner.reset()
-            fp_runner.prefill(sample)
-    finally:
-        fp_runner.observer = None
-    out: dict[str, dict[str, float]] = defaultdict(dict)
-    for (graph, name), s in signal.items():
-        out[graph][name] = (
-            round(10 * math.log10(s / noise[graph, name]), 2) if noise[graph, name] > 0 else 99.0
-        )
-    return dict(out)
+        fp_runner.observer = observe
+        try:
+            for sample in samples:
+                fp_runner.reset()
+                for i in range(0, len(sample), fp_runner.prefill_ar):
+                    fp_runner.step(sample[i : i + fp_runner.prefill_ar], role="prefill", parts=spec.part)
+        finally:
+            fp_runner.observer = None
+        del session
+        out[spec.name] = {
+            name: round(10 * math.log10(s / noise[name]), 2) if noise[name] > 0 else 99.0
+            for name, s in signal.items()
+        }
+    fp_runner.release("prefill")
+    return out
 
 
 # ---- the stage ----
