@@ -152,3 +152,6 @@ def graph_feeds(
                 captured.clear()
     finally:
         runner.observer = None
+        # The quantizer that reads these feeds holds its own copy of the graph: free ours.
+        runner.release("prefill")
+        runner.release("decode")

@@ -34,6 +34,11 @@ def graph_name(kind: GraphKind, part: int, num_parts: int) -> str:
     return f"{kind.role}_ar{kind.ar}_{part_name(part, num_parts)}"
 
 
+def qdq_file_name(graph: str) -> str:
+    """The quantize stage's file for a graph (the exported one is `<graph>.onnx`)."""
+    return f"{graph}.qdq.onnx"
+
+
 def binary_name(kind: GraphKind, part: int, num_parts: int) -> str:
     return f"{graph_name(kind, part, num_parts)}.bin"
 

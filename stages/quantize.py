@@ -32,9 +32,9 @@ import numpy as np
 
 from stages.config import PipelineConfig, stage_fields
 from stages.contract import GraphSpec
+from stages.graphs import qdq_file_name
 from stages.report import REPORT_NAME, read_report, stage_output
 
-QDQ_SUFFIX = ".qdq.onnx"
 # Ops that move or regroup values without changing them: a tensor and its image share an encoding.
 ENCODING_PRESERVING = {"Concat", "Slice", "Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze"}
 CACHE_TENSOR = re.compile(r"^(?:past|swa)_(key|value)_(\d+)_h\d+_(?:in|out)$")
@@ -71,10 +71,6 @@ EVAL_SAMPLES = 4
 
 class QuantizeError(ValueError):
     pass
-
-
-def qdq_name(graph: str) -> str:
-    return f"{graph}{QDQ_SUFFIX}"
 
 
 # ---- graph analysis ----
@@ -508,7 +504,7 @@ def quantize_graphs(
             calibrate_method=CALIBRATION_METHODS[method](),
             stride=graph_stride,
         )
-        dest = out_dir / qdq_name(spec.name)
+        dest = out_dir / qdq_file_name(spec.name)
         t0 = time.perf_counter()
         quantize(str(src), str(dest), qcfg)
         checked = audit(cfg, onnx.load(str(dest), load_external_data=False), analysis)

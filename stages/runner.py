@@ -22,6 +22,7 @@ import numpy as np
 
 from stages.contract import ATTENTION_MASK_MIN, GraphSpec, cache_name
 from stages.geometry import FULL, SLIDING, Geometry
+from stages.graphs import qdq_file_name
 
 
 class RunnerError(RuntimeError):
@@ -254,7 +255,7 @@ class HostRunner:
         graphs: dict[str, list[tuple[GraphSpec, Path]]] = {}
         for g in fig["graphs"]:
             spec = GraphSpec.from_dict(g["spec"])
-            path = graph_dir / f"{spec.name}.qdq.onnx" if graph_dir else export_dir / g["onnx"]
+            path = graph_dir / qdq_file_name(spec.name) if graph_dir else export_dir / g["onnx"]
             graphs.setdefault(spec.role, []).append((spec, path))
         for parts in graphs.values():
             parts.sort(key=lambda sp: sp[0].part)
