@@ -30,12 +30,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def matmul_layout(t: torch.Tensor) -> torch.Tensor:
+    """A checkpoint weight as the module holds it: float32, and 2-D (linear) weights transposed to
+    (in, out), the ONNX MatMul layout, so the exported initializer keeps the checkpoint's tensor name
+    instead of becoming a folded anonymous copy (quantization overrides and audits find weights by
+    those names). Done once at load time, so a part's weights exist in one copy."""
+    t = t.to(torch.float32)
+    return t.t().contiguous() if t.dim() == 2 else t
+
+
 def _param(t: torch.Tensor) -> nn.Parameter:
-    """A float32 weight; 2-D (linear) weights are stored transposed, (in, out), the ONNX MatMul layout,
-    so the exported initializer keeps the checkpoint's tensor name instead of a folded anonymous copy
-    (quantization overrides and audits find weights by those names)."""
-    t = t.detach().to(torch.float32)
-    return nn.Parameter(t.t().contiguous() if t.dim() == 2 else t, requires_grad=False)
+    """Wraps a weight already in matmul_layout without copying it."""
+    return nn.Parameter(t.detach(), requires_grad=False)
 
 
 def _holder(t: torch.Tensor) -> nn.Module:
@@ -122,7 +128,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderPart(nn.Module):
-    """The graph `spec` describes. forward() takes the spec's inputs in order, returns its outputs."""
+    """The graph `spec` describes. forward() takes the spec's inputs in order, returns its outputs.
+    `weights` maps checkpoint names to tensors in matmul_layout()."""
 
     def __init__(self, geo: Geometry, spec: GraphSpec, weights: dict[str, torch.Tensor]):
         super().__init__()

@@ -186,14 +186,14 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     out_dir = workdir / "exported"
     options = {"model": cfg.model, **{k: getattr(cfg, k) for k in stage_fields("export")}}
     inputs = [checkpoint_dir / "config.json", *weight_files]
-    from stages.decoder import part_weight_names
+    from stages.decoder import matmul_layout, part_weight_names
 
     with stage_output("export", out_dir, inputs, options, root=workdir) as run:
         graphs: list[dict[str, Any]] = []
         progress = tqdm(total=len(specs), desc="export graphs", unit="graph")
         for p in range(len(parts)):
             part_specs = [s for s in specs if s.part == p + 1]
-            weights = {n: ckpt.tensor(n) for n in part_weight_names(geo, part_specs[0])}
+            weights = {n: matmul_layout(ckpt.tensor(n)) for n in part_weight_names(geo, part_specs[0])}
             for spec in part_specs:
                 path = run.dir / f"{spec.name}.onnx"
                 figures = export_graph(geo, spec, weights, path)
