@@ -30,6 +30,17 @@ def _bars(title: str, values: dict[str, float], unit: str) -> str:
     return "\n".join(parts)
 
 
+def _calibration(c: dict[str, Any]) -> str:
+    source = ", ".join(c["files"]) if c["files"] else c["dataset"]
+    if c["dataset"] == "files" and not c["files"]:
+        source = "the built-in corpus"
+    text = (
+        f"{c['samples']} samples of {c['tokens_per_sample']} tokens from {source}, "
+        f"{c['decode_steps_per_sample']} decode steps each, {c['method']}"
+    )
+    return html.escape(text + (f" (stride {c['stride']})" if c.get("stride") else ""))
+
+
 def write_quality_html(path: Path, figures: dict[str, Any]) -> None:
     quality = figures["quality"]
     rows = "".join(
@@ -56,7 +67,7 @@ td:first-child{{text-align:left}}</style></head><body>
 PLE {html.escape(figures["ple_policy"])}</h1>
 <p>Float and quantized shard chains through the host runner on held-out text
 ({figures["evaluation"]["samples"]} samples of {figures["evaluation"]["tokens_per_sample"]} tokens; prefill,
-then teacher-forced decode steps). Calibration: {html.escape(str(figures["calibration"]))}.</p>
+then teacher-forced decode steps). Calibration: {_calibration(figures["calibration"])}.</p>
 <table><tr><th>PLE policy</th>{"".join(f"<th>{c}</th>" for c in QUALITY_COLUMNS)}</tr>{rows}</table>
 <h2>Per-layer error (SQNR of each owner layer's new K/V entries, prefill graphs)</h2>
 {_bars("KV cache outputs", per_layer, "dB")}
