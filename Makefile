@@ -108,6 +108,7 @@ help: ## list the targets and variables
 	@echo "Variables (empty = the preset's value; see stages/presets/$(PRESET).toml):"
 	@echo "  PRESET=$(PRESET) MODEL MODEL_REVISION SOC PRECISION MAX_CONTEXT PREFILL_AR DECODE_AR"
 	@echo "  NUM_SHARDS COMPILER=local|aihub PROMPT FROM=DIR (import a snapshot) RUNNER=docker|local WORKDIR=$(WORKDIR)"
+	@echo "  QUANT_ARGS (e.g. --compare-ple-policies) QUANT_IMAGE=quant|quant-rocm DOCKER_ARGS"
 	@echo "  BASE_IMAGE=$(BASE_IMAGE) (or 'debootstrap') WHEELHOUSE=$(WHEELHOUSE)"
 
 # ---- pipeline ----
