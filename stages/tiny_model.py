@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+# The built-in byte-level tokenizer's ids: special tokens, then one id per byte.
+from stages.download import BOS_ID, BYTE_OFFSET
 from stages.geometry import TINY_TEXT_CONFIG, geometry_from_config
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -47,9 +49,6 @@ CORPUS_MODULES = (
     "traceback atexit builtins"
 ).split()
 
-# The built-in byte-level tokenizer (stages.download): 6 special tokens, then one id per byte.
-BOS_ID = 2
-BYTE_OFFSET = 6
 
 
 def module_text(name: str) -> str:
