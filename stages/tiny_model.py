@@ -50,7 +50,6 @@ CORPUS_MODULES = (
 ).split()
 
 
-
 def module_text(name: str) -> str:
     mod = importlib.import_module(name)
     parts = [inspect.getdoc(mod) or ""]
