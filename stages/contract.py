@@ -115,10 +115,13 @@ def hidden_name(layer: int) -> str:
 
 
 def kvshare_name(donor: int, which: str) -> str:
-    return f"kvshare_{which}_{donor}"
+    return f"{KVSHARE_PREFIX}{which}_{donor}"
 
 
 PER_LAYER_EMBEDS = "per_layer_embeds"
+INPUTS_EMBEDS = "inputs_embeds"
+PER_LAYER_INPUTS = "per_layer_inputs"
+KVSHARE_PREFIX = "kvshare_"
 
 
 # ---- shapes ----
@@ -163,9 +166,9 @@ def part_graph_spec(
     inputs: list[TensorSpec] = []
     outputs: list[TensorSpec] = []
     if index == 0:
-        inputs.append(TensorSpec("inputs_embeds", (1, t, hidden)))
+        inputs.append(TensorSpec(INPUTS_EMBEDS, (1, t, hidden)))
         if geo.ple_dim:
-            inputs.append(TensorSpec("per_layer_inputs", (1, t, geo.num_layers, geo.ple_dim)))
+            inputs.append(TensorSpec(PER_LAYER_INPUTS, (1, t, geo.num_layers, geo.ple_dim)))
     else:
         inputs.append(TensorSpec(hidden_name(layers.start), (1, t, hidden)))
         if geo.ple_dim:

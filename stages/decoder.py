@@ -14,7 +14,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from stages.contract import PER_LAYER_EMBEDS, GraphSpec, cache_name, hidden_name, kvshare_name
+from stages.contract import (
+    INPUTS_EMBEDS,
+    PER_LAYER_EMBEDS,
+    PER_LAYER_INPUTS,
+    GraphSpec,
+    cache_name,
+    hidden_name,
+    kvshare_name,
+)
 from stages.geometry import FULL, Geometry, Layer
 
 
@@ -151,7 +159,7 @@ class DecoderPart(nn.Module):
         x = {s.name: v for s, v in zip(spec.inputs, inputs, strict=True)}
         out: dict[str, torch.Tensor] = {}
         if spec.is_first:
-            h = x["inputs_embeds"]
+            h = x[INPUTS_EMBEDS]
             ple = None
             if geo.ple_dim:
                 proj = torch.matmul(h, self.per_layer_model_projection.weight) * (geo.hidden_size**-0.5)
@@ -160,7 +168,7 @@ class DecoderPart(nn.Module):
                     self.per_layer_projection_norm.weight,
                     self.eps,
                 )
-                ple = (proj + x["per_layer_inputs"]) * (2.0**-0.5)
+                ple = (proj + x[PER_LAYER_INPUTS]) * (2.0**-0.5)
                 if PER_LAYER_EMBEDS in {o.name for o in spec.outputs}:
                     out[PER_LAYER_EMBEDS] = ple
         else:
@@ -168,10 +176,9 @@ class DecoderPart(nn.Module):
             ple = x.get(PER_LAYER_EMBEDS)
 
         shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for name in x:
-            if name.startswith("kvshare_key_"):
-                donor = int(name.rsplit("_", 1)[1])
-                shared[donor] = (x[name], x[kvshare_name(donor, "value")])
+        for donor in {geo.layers[i].kv_donor for i in spec.layers}:
+            if kvshare_name(donor, "key") in x:  # a donor in an earlier part
+                shared[donor] = (x[kvshare_name(donor, "key")], x[kvshare_name(donor, "value")])
         n_kv = geo.num_kv_heads
         for i in spec.layers:
             layer = self.layers[str(i)]

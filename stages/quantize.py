@@ -31,17 +31,17 @@ from typing import Any
 import numpy as np
 
 from stages.config import PipelineConfig, stage_fields
-from stages.contract import GraphSpec
+from stages.contract import CACHE_PREFIX, KVSHARE_PREFIX, PER_LAYER_EMBEDS, PER_LAYER_INPUTS, GraphSpec
 from stages.graphs import qdq_file_name
 from stages.report import REPORT_NAME, read_report, stage_output
 
 # Ops that move or regroup values without changing them: a tensor and its image share an encoding.
 ENCODING_PRESERVING = {"Concat", "Slice", "Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze"}
-CACHE_TENSOR = re.compile(r"^(?:past|swa)_(key|value)_(\d+)_h\d+_(?:in|out)$")
-KVSHARE_TENSOR = re.compile(r"^kvshare_(key|value)_(\d+)$")
+CACHE_TENSOR = re.compile(rf"^(?:{'|'.join(CACHE_PREFIX.values())})_(key|value)_(\d+)_h\d+_(?:in|out)$")
+KVSHARE_TENSOR = re.compile(rf"^{KVSHARE_PREFIX}(key|value)_(\d+)$")
 PLE_START_WEIGHTS = ("per_layer_model_projection.weight", "per_layer_input_gate.weight")
 PLE_END_WEIGHT = "post_per_layer_input_norm.weight"
-PLE_GRAPH_INPUTS = {"per_layer_inputs", "per_layer_embeds"}
+PLE_GRAPH_INPUTS = {PER_LAYER_INPUTS, PER_LAYER_EMBEDS}
 # Weights of the PLE paths: the int16 policy gives these 16-bit.
 PLE_WEIGHT_SUFFIXES = (
     "per_layer_model_projection.weight",
@@ -177,15 +177,6 @@ class _FeedsReader:
         item = next(self.feeds, None)
         if item is not None:
             self.count += 1
-        return item
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        item = self.get_next()
-        if item is None:
-            raise StopIteration
         return item
 
 

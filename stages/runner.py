@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from stages.contract import ATTENTION_MASK_MIN, GraphSpec, cache_name
+from stages.contract import ATTENTION_MASK_MIN, INPUTS_EMBEDS, PER_LAYER_INPUTS, GraphSpec, cache_name
 from stages.geometry import FULL, SLIDING, Geometry
 from stages.graphs import qdq_file_name
 
@@ -165,7 +165,6 @@ class Sampling:
 class Generation:
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
-    logits: list[np.ndarray] = field(default_factory=list)  # one (V,) row per prompt and generated position
     prefill_s: float = 0.0
     decode_s: float = 0.0
     stopped_by: str = "max_new_tokens"
@@ -342,9 +341,9 @@ class HostRunner:
         padded = np.array(list(ids) + [self.pad] * (t - n), dtype=np.int64)
         emb, ple = self.embed(padded)
         rope = rope_tables(self.geo, np.arange(self.position, self.position + t))
-        tensors: dict[str, np.ndarray] = {"inputs_embeds": emb[None], **self._masks(t, n), **rope}
+        tensors: dict[str, np.ndarray] = {INPUTS_EMBEDS: emb[None], **self._masks(t, n), **rope}
         if ple is not None:
-            tensors["per_layer_inputs"] = ple[None]
+            tensors[PER_LAYER_INPUTS] = ple[None]
         for layer, keys in self.caches.keys.items():
             attention = self.geo.layers[layer].attention
             slots = self.context - t if attention == FULL else self.geo.sliding_window
@@ -404,7 +403,6 @@ class HostRunner:
         max_new_tokens: int,
         stop_ids: set[int] = frozenset(),
         sampling: Sampling = Sampling(),
-        keep_logits: bool = False,
     ) -> Generation:
         self.reset()
         gen = Generation(prompt_ids=list(prompt_ids))
@@ -416,8 +414,6 @@ class HostRunner:
         if "decode" in self.graphs:
             self.release("prefill")
             self.load("decode")
-        if keep_logits:
-            gen.logits += list(logits)
         last = logits[-1]
         t0 = time.perf_counter()
         for _ in range(max_new_tokens):
@@ -432,7 +428,5 @@ class HostRunner:
                 gen.stopped_by = "context full"
                 break
             last = self.step([tok])[-1]
-            if keep_logits:
-                gen.logits.append(last)
         gen.decode_s = time.perf_counter() - t0
         return gen

@@ -77,7 +77,7 @@ def test_ple_paths_stay_float_and_nothing_else_does(sm8450):
         assert {t["role"] for t in inside} == {"weight", "internal"}
 
 
-def test_int8_policy_quantizes_the_ple_weights(sm8450, tmp_path):
+def test_the_audit_catches_a_policy_that_was_not_applied(sm8450):
     work, report = sm8450
     cfg = load_config("tiny", {"ple_policy": "int8"})
     export_dir = work / "exported"
