@@ -18,6 +18,7 @@ PREFILL_AR    ?=
 DECODE_AR     ?=
 NUM_SHARDS    ?=
 COMPILER      ?=
+QAIRT_VERSION ?=
 PROMPT        ?= What is the capital of France?
 # A snapshot folder you already have: `make download FROM=DIR` imports it instead of downloading.
 FROM          ?=
@@ -61,10 +62,13 @@ CONFIG_ARGS = --preset '$(PRESET)' --workdir '$(WORKDIR)' $(call opt,model,$(MOD
   $(call opt,model-revision,$(MODEL_REVISION)) $(call opt,soc,$(SOC)) \
   $(call opt,precision,$(PRECISION)) $(call opt,max-context,$(MAX_CONTEXT)) \
   $(call opt,prefill-ar,$(PREFILL_AR)) $(call opt,decode-ar,$(DECODE_AR)) \
-  $(call opt,num-shards,$(NUM_SHARDS)) $(call opt,compiler,$(COMPILER))
+  $(call opt,num-shards,$(NUM_SHARDS)) $(call opt,compiler,$(COMPILER)) \
+  $(call opt,qairt-version,$(QAIRT_VERSION))
 
 image_tag = $(shell docker/image-tag.sh $(1) '$(BASE_REF)')
 ABS_WORKDIR = $(abspath $(WORKDIR))
+# The user's AI Hub client config (COMPILER=aihub without QAI_HUB_API_TOKEN), shown to the container read-only.
+QAIHUB_INI := $(abspath $(or $(QAIHUB_CLIENT_INI),$(wildcard $(HOME)/.qai_hub/client.ini)))
 # The work tree (and WORKDIR, when it lies outside it) mounted at the same paths as on the host;
 # the calling user's UID; no privileges; secrets only as runtime environment, by name (docker
 # reads their values from this environment, so they never appear on a command line or in a log).
@@ -72,6 +76,7 @@ DOCKER_RUN = docker run --rm -i --user $$(id -u):$$(id -g) --cap-drop ALL $(DOCK
   --security-opt no-new-privileges -v '$(CURDIR):$(CURDIR)' -w '$(CURDIR)' \
   $(if $(filter $(CURDIR)/%,$(ABS_WORKDIR)/),,-v '$(ABS_WORKDIR):$(ABS_WORKDIR)') \
   $(if $(FROM),-v '$(abspath $(FROM)):$(abspath $(FROM)):ro') \
+  $(if $(QAIHUB_INI),-v '$(QAIHUB_INI):$(QAIHUB_INI):ro' -e QAIHUB_CLIENT_INI='$(QAIHUB_INI)') \
   -e PYTHONPATH='$(CURDIR)' -e HF_TOKEN -e QAI_HUB_API_TOKEN -e QNN_SDK_ROOT -e ADB_SERIAL \
   $(foreach v,$(sort $(filter G4V69_%,$(.VARIABLES))),-e $(v))
 
@@ -107,7 +112,7 @@ help: ## list the targets and variables
 	@echo
 	@echo "Variables (empty = the preset's value; see stages/presets/$(PRESET).toml):"
 	@echo "  PRESET=$(PRESET) MODEL MODEL_REVISION SOC PRECISION MAX_CONTEXT PREFILL_AR DECODE_AR"
-	@echo "  NUM_SHARDS COMPILER=local|aihub PROMPT FROM=DIR (import a snapshot) RUNNER=docker|local WORKDIR=$(WORKDIR)"
+	@echo "  NUM_SHARDS COMPILER=local|aihub (aihub: QAI_HUB_API_TOKEN) QAIRT_VERSION PROMPT FROM=DIR (import a snapshot) RUNNER=docker|local WORKDIR=$(WORKDIR)"
 	@echo "  QUANT_ARGS (e.g. --compare-ple-policies) QUANT_IMAGE=quant|quant-rocm DOCKER_ARGS"
 	@echo "  BASE_IMAGE=$(BASE_IMAGE) (or 'debootstrap') WHEELHOUSE=$(WHEELHOUSE)"
 
@@ -169,7 +174,7 @@ lock: ## regenerate docker/*/requirements.lock with uv (needs network)
 
 wheelhouse: $(BASE_DEP) ## download every locked wheel (and the tools image's .debs) into WHEELHOUSE
 	$(PYTHON) docker/wheelhouse.py fill '$(WHEELHOUSE)' $(foreach i,local $(IMAGES),docker/$(i)/requirements.lock) -- $(TORCH_SOURCE)
-	docker/fill-debs.sh tools '$(BASE_REF)' '$(WHEELHOUSE)'
+	for i in $(IMAGES); do docker/fill-debs.sh $$i '$(BASE_REF)' '$(WHEELHOUSE)'; done
 
 images: $(addprefix image-,$(IMAGES)) ## build every stage image offline from the wheelhouse
 

@@ -103,7 +103,6 @@ def _not_implemented(stage: str, issue: int):
 
 
 for _stage, _issue in (
-    ("compile", 5),
     ("bundle", 6),
     ("verify", 6),
     ("push", 6),
@@ -262,6 +261,33 @@ def quantize(
         f"{q['top1_agreement']:.3f}, perplexity {q['perplexity_fp']:.3f} -> {q['perplexity_quantized']:.3f}, "
         f"KL {q['kl_divergence']:.4f}; {report['wall_s']:.1f} s, "
         f"peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB"
+    )
+
+
+@main.command(name="compile")
+@click.option(
+    "--jobs",
+    type=click.IntRange(1),
+    default=None,
+    help="binaries compiled at once by the local backend (default: as many as CPUs and memory allow)",
+)
+@click.pass_obj
+def compile_(obj: Context, jobs: int | None) -> None:
+    """QNN context binaries for the SoC's HTP into compiled/ (compiler: local or aihub)."""
+    from stages.compile import CompileError, run_compile
+
+    try:
+        report = run_compile(obj.config, obj.workdir, jobs)
+    except CompileError as e:
+        raise UserError(str(e)) from None
+    fig = report["figures"]
+    total = sum(b["bytes"] for b in fig["binaries"])
+    # The binaries compile in child processes; the stage's own peak RSS misses theirs.
+    peak = max([report["peak_rss_bytes"]] + [b.get("peak_rss_bytes", 0) for b in fig["binaries"]])
+    click.echo(
+        f"{obj.workdir / 'compiled'}: {len(fig['binaries'])} binaries for {fig['soc']} ({fig['dsp_arch']}), "
+        f"{total / 1e6:.1f} MB, QAIRT {fig['backend']['qairt_version']} ({fig['backend']['name']}); "
+        f"{report['wall_s']:.1f} s, peak RSS {peak / 2**30:.2f} GiB"
     )
 
 

@@ -82,6 +82,9 @@ class PipelineConfig:
     decode_ar: int = field(metadata=_meta("export", "tokens per decode graph call"))
     num_shards: int = field(metadata=_meta("export", "decoder parts, one context binary each per graph"))
     compiler: str = field(metadata=_meta("compile", "local (onnxruntime-qnn offline) or aihub (cloud)"))
+    qairt_version: str = field(
+        metadata=_meta("compile", "QAIRT major.minor the binaries are built with; the phone needs >= this")
+    )
     calibration_dataset: str = field(metadata=_meta("quantize", "wikitext-2-raw-v1, or files (local text)"))
     calibration_samples: int = field(metadata=_meta("quantize", "number of calibration sequences"))
     calibration_tokens: int = field(metadata=_meta("quantize", "tokens per calibration sequence, at most"))
@@ -138,6 +141,9 @@ def stage_fields(stage: str) -> list[str]:
     if stage not in STAGES:
         raise ConfigError("stage", f"{stage!r} is not a stage; allowed values: {', '.join(STAGES)}")
     return [f.name for f in fields(PipelineConfig) if f.metadata["stage"] == stage]
+
+
+_QAIRT_VERSION = re.compile(r"^\d+\.\d+$")
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -205,6 +211,8 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
         raise ConfigError("decode_ar", f"{cfg.decode_ar} must not exceed prefill_ar ({cfg.prefill_ar})")
     _at_least("num_shards", cfg.num_shards, 1)
     _one_of("compiler", cfg.compiler, COMPILERS)
+    if not _QAIRT_VERSION.match(cfg.qairt_version):
+        raise ConfigError("qairt_version", f"{cfg.qairt_version!r} is not a version like 2.51")
     _one_of("calibration_dataset", cfg.calibration_dataset, CALIBRATION_DATASETS)
     _at_least("calibration_samples", cfg.calibration_samples, 1)
     _at_least("calibration_tokens", cfg.calibration_tokens, 2)

@@ -110,8 +110,11 @@ def cache_name(layer: int, attention: str, which: str, head: int, direction: str
     return f"{CACHE_PREFIX[attention]}_{which}_{layer}_h{head}_{direction}"
 
 
+HIDDEN_PREFIX = "hidden_states_layer"
+
+
 def hidden_name(layer: int) -> str:
-    return f"hidden_states_layer{layer}"
+    return f"{HIDDEN_PREFIX}{layer}"
 
 
 def kvshare_name(donor: int, which: str) -> str:

@@ -79,6 +79,11 @@ class DecoderLayer(nn.Module):
                     owner.add_module(name, nn.Module())
                 owner = owner._modules[name]
             owner.register_parameter(attr, _param(weights[t.name]))
+        if self.owns_kv:
+            # Gemma's value norm has no learned scale. Exporting F.rms_norm(weight=None) gives
+            # RMSNormalization a scale computed at run time (ones expanded to the input's shape),
+            # which QNN's HTP rejects in prefill graphs; a constant (head_dim,) scale it accepts.
+            self.register_buffer("v_norm_scale", torch.ones(layer.head_dim), persistent=False)
 
     def forward(
         self,
@@ -102,7 +107,7 @@ class DecoderLayer(nn.Module):
         if self.owns_kv:
             k = torch.matmul(x, attn.k_proj.weight).view(1, t, nkv, d)
             k = apply_rope(rms_norm(k, attn.k_norm.weight, self.eps).transpose(1, 2), cos, sin)  # (1,kv,T,D)
-            v = rms_norm(torch.matmul(x, attn.v_proj.weight).view(1, t, nkv, d), None, self.eps)
+            v = rms_norm(torch.matmul(x, attn.v_proj.weight).view(1, t, nkv, d), self.v_norm_scale, self.eps)
             new_k = k.transpose(2, 3)  # (1,kv,D,T)
             new_v = v.transpose(1, 2)  # (1,kv,T,D)
             past_k, past_v = cache

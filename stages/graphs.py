@@ -1,7 +1,7 @@
 """Which layers go into which shard, and what the graphs built from them are called.
 
 The export stage cuts the decoder where `partition_layers` says, the compile and bundle stages name
-binaries with `graph_name`/`binary_name`, the planner prices the same parts: one source for all.
+binaries with `graph_name`/`binary_layout`, the planner prices the same parts: one source for all.
 """
 
 from __future__ import annotations
@@ -39,8 +39,37 @@ def qdq_file_name(graph: str) -> str:
     return f"{graph}.qdq.onnx"
 
 
-def binary_name(kind: GraphKind, part: int, num_parts: int) -> str:
-    return f"{graph_name(kind, part, num_parts)}.bin"
+@dataclass(frozen=True)
+class Binary:
+    """One context binary: its file name, the part it holds and its graphs in Genie's order
+    (prefill before decode). Graphs share weights only when they share a binary."""
+
+    file: str
+    part: int
+    graphs: tuple[str, ...]
+
+    @property
+    def weight_shared(self) -> bool:
+        return len(self.graphs) > 1
+
+
+def binary_layout(cfg: PipelineConfig) -> list[Binary]:
+    """The context binaries of a config, in bundle order (part 1 first).
+
+    Where the SoC shares weights between graphs (v73+), a part's prefill and decode graphs go into
+    one binary `part{i}_of_{N}.bin`; on v69 every graph is its own binary `<graph>.bin`, so the
+    weights are stored twice.
+    """
+    kinds = graph_kinds(cfg)
+    n = cfg.num_shards
+    layout = []
+    for part in range(1, n + 1):
+        names = tuple(graph_name(k, part, n) for k in kinds)
+        if cfg.soc_info.weight_sharing and len(names) > 1:
+            layout.append(Binary(f"{part_name(part, n)}.bin", part, names))
+        else:
+            layout += [Binary(f"{name}.bin", part, (name,)) for name in names]
+    return layout
 
 
 class PartitionError(ValueError):

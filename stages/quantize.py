@@ -31,13 +31,23 @@ from typing import Any
 import numpy as np
 
 from stages.config import PipelineConfig, stage_fields
-from stages.contract import CACHE_PREFIX, KVSHARE_PREFIX, PER_LAYER_EMBEDS, PER_LAYER_INPUTS, GraphSpec
+from stages.contract import (
+    CACHE_PREFIX,
+    HIDDEN_PREFIX,
+    INPUTS_EMBEDS,
+    KVSHARE_PREFIX,
+    PER_LAYER_EMBEDS,
+    PER_LAYER_INPUTS,
+    GraphSpec,
+)
 from stages.graphs import qdq_file_name
 from stages.report import REPORT_NAME, read_report, stage_output
 
 # Ops that move or regroup values without changing them: a tensor and its image share an encoding.
 ENCODING_PRESERVING = {"Concat", "Slice", "Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze"}
 CACHE_TENSOR = re.compile(rf"^(?:{'|'.join(CACHE_PREFIX.values())})_(key|value)_(\d+)_h\d+_(?:in|out)$")
+# Tensors that leave one part and enter the next (the kvshare ones are pinned with their cache).
+BOUNDARY_TENSOR = re.compile(rf"^(?:{HIDDEN_PREFIX}\d+|{PER_LAYER_EMBEDS})$")
 KVSHARE_TENSOR = re.compile(rf"^{KVSHARE_PREFIX}(key|value)_(\d+)$")
 PLE_START_WEIGHTS = ("per_layer_model_projection.weight", "per_layer_input_gate.weight")
 PLE_END_WEIGHT = "post_per_layer_input_norm.weight"
@@ -180,23 +190,39 @@ class _FeedsReader:
         return item
 
 
-def kv_ranges(runner, samples: list[list[int]]) -> dict[tuple[str, int], tuple[float, float]]:
-    """Min and max of every owner layer's new K and V entries over the calibration text (with 0: an
-    empty cache slot holds zeros).
+@dataclass
+class CalibratedRanges:
+    """Ranges fixed before any graph is quantized, so every graph that touches a tensor agrees on its
+    encoding: the KV caches (per layer, key and value) and the tensors that cross from one part to
+    the next (Genie binds a part's output buffer to the next part's input as raw bytes)."""
+
+    kv: dict[tuple[str, int], tuple[float, float]]
+    boundary: dict[str, tuple[float, float]]
+
+
+def calibrated_ranges(runner, samples: list[list[int]]) -> CalibratedRanges:
+    """Min and max of every owner layer's new K and V entries (with 0: an empty cache slot holds
+    zeros) and of every cross-part tensor, over the calibration text.
 
     Prefill graphs over whole samples suffice: a token's K/V depend only on the tokens before it, so
     decode steps over the same text produce the same entries. Only one graph kind is ever loaded.
+    Cross-part tensors are taken whole (padding rows too): the next part quantizes all of them.
     """
-    ranges: dict[tuple[str, int], list[float]] = {}
+    kv: dict[tuple[str, int], list[float]] = {}
+    boundary: dict[str, list[float]] = {}
+
+    def widen(store: dict, key: Any, value: np.ndarray) -> None:
+        lo, hi = store.get(key, [0.0, 0.0])
+        store[key] = [min(lo, float(value.min())), max(hi, float(value.max()))]
 
     def observe(_spec: GraphSpec, _feeds: Any, outputs: dict[str, np.ndarray], n: int) -> None:
         for name, value in outputs.items():
             m = CACHE_TENSOR.match(name)
             if m:
-                key = (m.group(1), int(m.group(2)))
-                lo, hi = ranges.get(key, [0.0, 0.0])
                 new = value[..., :n] if "_key_" in name else value[..., :n, :]  # the real tokens only
-                ranges[key] = [min(lo, float(new.min())), max(hi, float(new.max()))]
+                widen(kv, (m.group(1), int(m.group(2))), new)
+            elif BOUNDARY_TENSOR.match(name):
+                widen(boundary, name, value)
 
     runner.observer = observe
     try:
@@ -206,10 +232,18 @@ def kv_ranges(runner, samples: list[list[int]]) -> dict[tuple[str, int], tuple[f
     finally:
         runner.observer = None
         runner.release("prefill")
-    return {k: (v[0], v[1]) for k, v in ranges.items()}
+    return CalibratedRanges(
+        kv={k: (v[0], v[1]) for k, v in kv.items()}, boundary={k: (v[0], v[1]) for k, v in boundary.items()}
+    )
 
 
-def quant_settings(cfg: PipelineConfig, analysis: GraphAnalysis, ranges) -> tuple[dict, list[str]]:
+def quant_settings(
+    cfg: PipelineConfig,
+    analysis: GraphAnalysis,
+    ranges: CalibratedRanges,
+    graph_tensors: set[str],
+    embedding_lut: dict[str, Any] | None,
+) -> tuple[dict, list[str]]:
     """Tensor overrides and excluded nodes for one graph under the config's rules."""
     from onnxruntime.quantization import QuantType
 
@@ -222,11 +256,26 @@ def quant_settings(cfg: PipelineConfig, analysis: GraphAnalysis, ranges) -> tupl
                 overrides[w] = [{"axis": 1, "quant_type": QuantType.QInt16, "symmetric": True}]
     kv_type = QuantType.QUInt8 if cfg.kv_cache_bits == 8 else QuantType.QUInt16
     for key, tensors in analysis.kv_groups.items():
-        if key not in ranges:
+        if key not in ranges.kv:
             raise QuantizeError(f"no calibrated range for the {key[0]} cache of layer {key[1]}")
-        lo, hi = ranges[key]
+        lo, hi = ranges.kv[key]
         for t in tensors:
             overrides[t] = [{"quant_type": kv_type, "rmin": np.float32(lo), "rmax": np.float32(hi)}]
+    for name, (lo, hi) in ranges.boundary.items():
+        if name in graph_tensors and not (name == PER_LAYER_EMBEDS and cfg.ple_policy == "float16"):
+            overrides[name] = [
+                {"quant_type": QuantType.QUInt16, "rmin": np.float32(lo), "rmax": np.float32(hi)}
+            ]
+    if embedding_lut is not None and INPUTS_EMBEDS in graph_tensors:
+        # The graph reads embedding rows exactly as the LUT stores them (real = (q + offset) * scale),
+        # so Genie can copy rows into the input tensor without requantizing.
+        overrides[INPUTS_EMBEDS] = [
+            {
+                "quant_type": QuantType.QUInt16,
+                "scale": np.array(embedding_lut["scale"], dtype=np.float32),
+                "zero_point": np.array(-embedding_lut["offset"], dtype=np.uint16),
+            }
+        ]
     excluded = analysis.ple_nodes if cfg.ple_policy == "float16" else []
     return overrides, excluded
 
@@ -446,6 +495,7 @@ def output_sqnr(fp_runner, q_paths: dict[str, Path], samples: list[list[int]]) -
 class QuantizedGraphs:
     paths: dict[str, Path]
     kv_ranges: dict[str, list[float]]
+    boundary_ranges: dict[str, list[float]]
     figures: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -469,15 +519,19 @@ def quantize_graphs(
     from stages.runner import HostRunner
 
     runner = HostRunner.from_export(export_dir, luts=True)
-    ranges = kv_ranges(runner, samples)
+    embedding_lut = read_report(export_dir)["figures"]["luts"].get("embedding")
+    ranges = calibrated_ranges(runner, samples)
     result = QuantizedGraphs(
-        paths={}, kv_ranges={f"{k}_{layer}": list(v) for (k, layer), v in sorted(ranges.items())}
+        paths={},
+        kv_ranges={f"{k}_{layer}": list(v) for (k, layer), v in sorted(ranges.kv.items())},
+        boundary_ranges={k: list(v) for k, v in sorted(ranges.boundary.items())},
     )
     graphs = [sp for role in runner.graphs for sp in runner.graphs[role]]
     for spec, src in tqdm(graphs, desc=f"quantize ({cfg.ple_policy})", unit="graph"):
         model = onnx.load(str(src), load_external_data=False)
         analysis = analyse(model)
-        overrides, excluded = quant_settings(cfg, analysis, ranges)
+        io_names = {t.name for t in (*model.graph.input, *model.graph.output)}
+        overrides, excluded = quant_settings(cfg, analysis, ranges, io_names, embedding_lut)
         expected = calls(samples, spec.role, runner.prefill_ar, decode_steps)
         reader = _FeedsReader(graph_feeds(runner, samples, spec.role, spec.part, decode_steps), expected)
         # onnxruntime wants the call count divisible by the stride: the largest divisor up to it.
@@ -658,6 +712,7 @@ def run_quantize(
                 },
                 "evaluation": {"samples": len(eval_samples), "tokens_per_sample": len(eval_samples[0])},
                 "kv_ranges": main.kv_ranges,
+                "boundary_ranges": main.boundary_ranges,
                 "graphs": main.figures,
                 "quality": quality,
             }

@@ -105,3 +105,75 @@ def images(base_image) -> dict[str, str]:
         tags[name] = t.stdout.strip()
         assert run(["docker", "image", "inspect", tags[name]]).returncode == 0
     return tags
+
+
+# ---- the pipeline's own outputs, built once per session for the later stages' tests ----
+DOUBLES = REPO / "tests" / "doubles"
+
+
+@pytest.fixture(scope="session")
+def quantized_tiny(tmp_path_factory) -> Path:
+    """A WORKDIR with the trained tiny model downloaded, exported and quantized for SM8450.
+    Tests copy it (`copy_workdir`) before writing into it."""
+    from stages.config import load_config
+    from stages.download import run_download
+    from stages.export import run_export
+    from stages.quantize import run_quantize
+
+    work = tmp_path_factory.mktemp("quantized-tiny")
+    cfg = load_config("tiny")
+    ckpt = work / "checkpoints" / cfg.checkpoint_name
+    run_download(cfg.model, cfg.model_revision, ckpt)
+    run_export(cfg, work, ckpt)
+    run_quantize(cfg, work, ckpt)
+    return work
+
+
+def copy_workdir(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest, symlinks=True)
+    return dest
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    """The qai_hub test double with a fresh server; `fake_hub.scenario(**settings)` sets its behaviour."""
+    import importlib.util
+    import json
+    import sys
+
+    monkeypatch.setenv("FAKE_QAI_HUB_STATE", str(tmp_path / "hub-server"))
+    scenario_file = tmp_path / "hub-scenario.json"
+    monkeypatch.setenv("FAKE_QAI_HUB_SCENARIO", str(scenario_file))
+    monkeypatch.setenv("G4V69_AIHUB_POLL_S", "0")
+    monkeypatch.setenv("G4V69_AIHUB_BACKOFF_S", "0")
+    monkeypatch.setenv("QAIHUB_CLIENT_INI", str(tmp_path / "no-client.ini"))
+    spec = importlib.util.spec_from_file_location("fake_qai_hub", DOUBLES / "qai_hub" / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fake_qai_hub"] = module
+    spec.loader.exec_module(module)
+
+    def scenario(**settings) -> None:
+        scenario_file.write_text(json.dumps(settings))
+
+    def calls(method: str | None = None) -> list:
+        path = tmp_path / "hub-server" / "server.json"
+        found = json.loads(path.read_text())["calls"] if path.exists() else []
+        return [c for c in found if method is None or c[0] == method]
+
+    module.scenario = scenario
+    module.calls = calls
+    scenario(devices=SOC_DEVICES)
+    return module
+
+
+# What AI Hub answers for the SoC table's devices (names and chipsets as the table has them).
+def _soc_devices() -> list[dict]:
+    from stages.soc import SOCS
+
+    return [
+        {"name": s.aihub_device, "attributes": [s.aihub_chipset], "soc": s.name, "arch": s.htp_arch}
+        for s in SOCS.values()
+    ]
+
+
+SOC_DEVICES = _soc_devices()

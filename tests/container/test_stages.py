@@ -45,3 +45,17 @@ def test_make_quantize_tiny_in_the_quant_image(images, tmp_path):
     q = report["figures"]["quality"]["float16"]
     assert q["top1_agreement"] >= 0.95
     assert all(g["audit"]["problems"] == [] for g in report["figures"]["graphs"])
+
+
+def test_make_compile_tiny_in_the_compile_image(images, tmp_path):
+    r = make("compile", "PRESET=tiny", f"WORKDIR={tmp_path}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    fig = _report(tmp_path / "compiled" / "report.json")["figures"]
+    assert [b["arch"] for b in fig["binaries"]] == [69] * 4
+    assert all((tmp_path / "compiled" / b["file"]).stat().st_size > 100_000 for b in fig["binaries"])
+    # AI Hub without a token fails before anything is sent, and leaves the local binaries alone.
+    hub = make(
+        "compile", "PRESET=tiny", "COMPILER=aihub", f"WORKDIR={tmp_path}", env={"QAI_HUB_API_TOKEN": ""}
+    )
+    assert hub.returncode != 0 and "needs an AI Hub API token" in hub.stderr
+    assert _report(tmp_path / "compiled" / "report.json")["figures"]["backend"]["name"] == "local"

@@ -1,0 +1,544 @@
+"""The compile stage: quantized QDQ graphs -> QNN context binaries for the SoC's HTP, in compiled/.
+
+Three steps, whichever backend builds the binaries:
+
+1. prepare: the Q/DQ pairs at the graph boundary are folded into the graph's I/O, so each binary
+   takes and returns the quantized tensors Genie moves (uint16 activations, uint8 KV on v69) with
+   the encodings the quantize stage pinned; float I/O (the float16 PLE policy's per-layer inputs)
+   stays float.
+2. rules check (`check_rules`): what the SoC table says the target cannot do is refused here, with
+   the offending nodes listed, before anyone waits on a compiler: activation x activation MatMuls
+   with two 16-bit sides without a 16x16 matmul (v69 silently inserts a Convert instead of failing),
+   graphs linked into one binary without weight sharing, a binary over the context size limit, and
+   tensors crossing parts whose encodings differ between the producing and the consuming graph.
+3. a backend: `local` runs onnxruntime-qnn's offline HTP preparation for the SoC's soc_model and
+   htp_arch (CPU fallback off, so a node the HTP cannot take fails the compile and is named), one
+   process per binary, as many at once as memory allows; `aihub` (stages/aihub.py) submits compile
+   (and, with weight sharing, link) jobs to Qualcomm AI Hub with a resumable job ledger.
+
+Every binary is checked after it is made: one HTP partition per graph, the SoC string the compiler
+wrote into it, and the graph's I/O tensor names.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from stages.config import PipelineConfig, stage_fields
+from stages.contract import CACHE_PREFIX, HIDDEN_PREFIX, KVSHARE_PREFIX, PER_LAYER_EMBEDS
+from stages.graphs import Binary, binary_layout, qdq_file_name
+from stages.plan import CONTEXT_LIMIT_BYTES
+from stages.report import REPORT_NAME, read_report, sha256_file, stage_output
+from stages.soc import Soc
+
+ONNX_TYPES = {
+    1: "float32",
+    2: "uint8",
+    3: "int8",
+    4: "uint16",
+    5: "int16",
+    10: "float16",
+    6: "int32",
+    7: "int64",
+}
+QUANTIZED_TYPES = {"uint8", "int8", "uint16", "int16"}
+# Above this an ONNX file must keep its weights as external data (protobuf's 2 GB limit). Graphs below
+# it are handed to onnxruntime as bytes: onnxruntime names the QNN graph after a hash of the model's
+# path when it has one, which would make binaries differ between work folders.
+EXTERNAL_DATA_BYTES = 1_900_000_000
+# Peak RSS of onnxruntime-qnn's HTP preparation per byte of graph weights (FACTS.md: a 455 MB graph
+# peaked at 2 GB), plus a fixed overhead; used to decide how many graphs compile at once.
+COMPILE_RSS_PER_WEIGHT_BYTE = 4.5
+COMPILE_RSS_OVERHEAD = 600 << 20
+CROSS_PART = re.compile(rf"^(?:{HIDDEN_PREFIX}\d+|{PER_LAYER_EMBEDS}|{KVSHARE_PREFIX}(?:key|value)_\d+)$")
+CACHE_IO = re.compile(rf"^(?:{'|'.join(CACHE_PREFIX.values())})_(?:key|value)_\d+_h\d+_(?:in|out)$")
+
+
+class CompileError(ValueError):
+    """The compile cannot go on; the message says what failed, where, and what to do."""
+
+
+# ---- 1. prepare ----
+@dataclass(frozen=True)
+class Encoding:
+    dtype: str
+    shape: tuple[int, ...]
+    scale: float | None = None
+    offset: int | None = None  # Genie's convention: real = (q + offset) * scale, offset = -zero_point
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
+        if self.scale is not None:
+            d.update(scale=self.scale, offset=self.offset)
+        return d
+
+
+def prepare_io(model) -> dict[str, dict[str, Encoding]]:
+    """Fold boundary QuantizeLinear/DequantizeLinear into the graph's inputs and outputs, in place.
+
+    An input read only by a QuantizeLinear becomes that quantized tensor; an output written by a
+    DequantizeLinear becomes the quantized tensor before it (a DequantizeLinear stays for any node
+    inside the graph that reads the float value). Returns the I/O encodings: {"inputs", "outputs"}.
+    """
+    from onnx import numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+
+    def scalar(name: str) -> Any:
+        return numpy_helper.to_array(inits[name]).item()
+
+    def consumers(name: str) -> list:
+        return [n for n in g.node if name in n.input]
+
+    def shape(v) -> tuple[int, ...]:
+        return tuple(d.dim_value for d in v.type.tensor_type.shape.dim)
+
+    encodings: dict[str, dict[str, Encoding]] = {"inputs": {}, "outputs": {}}
+    drop = []
+    for inp in g.input:
+        readers = consumers(inp.name)
+        q = readers[0] if len(readers) == 1 and readers[0].op_type == "QuantizeLinear" else None
+        if q is None or len(q.input) < 3:
+            encodings["inputs"][inp.name] = Encoding(ONNX_TYPES[inp.type.tensor_type.elem_type], shape(inp))
+            continue
+        zp = inits[q.input[2]]
+        inp.type.tensor_type.elem_type = zp.data_type
+        for n in consumers(q.output[0]):
+            n.input[:] = [inp.name if i == q.output[0] else i for i in n.input]
+        drop.append(q)
+        encodings["inputs"][inp.name] = Encoding(
+            ONNX_TYPES[zp.data_type], shape(inp), scalar(q.input[1]), -int(scalar(q.input[2]))
+        )
+    producers = {o: n for n in g.node for o in n.output}
+    for out in g.output:
+        dq = producers.get(out.name)
+        if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) < 3:
+            encodings["outputs"][out.name] = Encoding(ONNX_TYPES[out.type.tensor_type.elem_type], shape(out))
+            continue
+        quantized = dq.input[0]
+        zp = inits[dq.input[2]]
+        out.type.tensor_type.elem_type = zp.data_type
+        # The quantized tensor takes the output's name; float readers keep a DequantizeLinear.
+        for n in g.node:
+            if n is not dq:
+                n.input[:] = [out.name if i == quantized else i for i in n.input]
+                n.output[:] = [out.name if o == quantized else o for o in n.output]
+        inner = [n for n in consumers(out.name) if n is not dq]
+        if inner:
+            dq.input[0], dq.output[0] = out.name, f"{out.name}_float"
+            for n in inner:
+                n.input[:] = [dq.output[0] if i == out.name else i for i in n.input]
+        else:
+            drop.append(dq)
+        encodings["outputs"][out.name] = Encoding(
+            ONNX_TYPES[zp.data_type], shape(out), scalar(dq.input[1]), -int(scalar(dq.input[2]))
+        )
+    for n in drop:
+        g.node.remove(n)
+    return encodings
+
+
+def weight_bytes(model) -> int:
+    return sum(_tensor_bytes(t) for t in model.graph.initializer)
+
+
+def _tensor_bytes(t) -> int:
+    import numpy as np
+    from onnx import helper
+
+    n = int(np.prod(t.dims)) if t.dims else 1
+    return n * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+
+
+# ---- 2. rules ----
+def activation_matmuls(model) -> list[tuple[str, str, str]]:
+    """(node, type of A, type of B) for every MatMul whose two operands are activations."""
+    g = model.graph
+    inits = {i.name for i in g.initializer}
+    producers = {o: n for n in g.node for o in n.output}
+    zp_types = {i.name: ONNX_TYPES.get(i.data_type, str(i.data_type)) for i in g.initializer}
+    inputs = {i.name: ONNX_TYPES.get(i.type.tensor_type.elem_type) for i in g.input}
+
+    def origin(t: str) -> tuple[bool, str]:
+        """(is a constant, type as the MatMul consumes it: the quantized type under a DQ)."""
+        if t in inits:
+            return True, "const"
+        p = producers.get(t)
+        if p is not None and p.op_type == "DequantizeLinear":
+            if p.input[0] in inits:
+                return True, "const"
+            return False, zp_types.get(p.input[2], "float32") if len(p.input) > 2 else "float32"
+        return False, inputs.get(t, "float32")
+
+    found = []
+    for n in g.node:
+        if n.op_type != "MatMul":
+            continue
+        (ca, ta), (cb, tb) = origin(n.input[0]), origin(n.input[1])
+        if not ca and not cb:
+            found.append((n.name, ta, tb))
+    return found
+
+
+def check_rules(
+    soc: Soc,
+    layout: list[Binary],
+    graphs: dict[str, Any],
+    encodings: dict[str, dict[str, dict[str, Encoding]]],
+) -> list[str]:
+    """Every way the prepared graphs break the SoC's rules, as readable lines (empty: all good)."""
+    problems = []
+    for name, model in graphs.items():
+        for node, ta, tb in activation_matmuls(model):
+            if not soc.matmul_16x16 and ta in {"uint16", "int16"} and tb in {"uint16", "int16"}:
+                problems.append(
+                    f"{name}: MatMul {node} multiplies two 16-bit activations ({ta} x {tb}); "
+                    f"{soc.name} ({soc.dsp_arch}) has no 16x16 activation matmul: quantize with an "
+                    "8-bit side (kv_bits=auto or 8)"
+                )
+    for b in layout:
+        if b.weight_shared and not soc.weight_sharing:
+            problems.append(
+                f"{b.file}: links {', '.join(b.graphs)} into one weight-shared binary, which "
+                f"{soc.name} ({soc.dsp_arch}) cannot load (weight sharing needs v73+)"
+            )
+        size = sum(weight_bytes(graphs[g]) for g in b.graphs if g in graphs)
+        if size >= CONTEXT_LIMIT_BYTES:
+            problems.append(
+                f"{b.file}: {size / 1e9:.2f} GB of weights, over the {CONTEXT_LIMIT_BYTES / 1e9:.0f} GB "
+                "per-context limit: raise num_shards"
+            )
+    problems += _cross_part_mismatches(encodings)
+    return problems
+
+
+def _cross_part_mismatches(encodings: dict[str, dict[str, dict[str, Encoding]]]) -> list[str]:
+    """A tensor that leaves one graph and enters another must be the same bytes on both sides."""
+    seen: dict[str, list[tuple[str, Encoding]]] = defaultdict(list)
+    for graph, io in encodings.items():
+        for direction in ("outputs", "inputs"):
+            for tensor, enc in io[direction].items():
+                if CROSS_PART.match(tensor):
+                    seen[tensor].append((graph, enc))
+    problems = []
+    for tensor, uses in sorted(seen.items()):
+        kinds = {(e.dtype, e.scale, e.offset) for _, e in uses}
+        if len(kinds) > 1:
+            detail = ", ".join(f"{g}: {e.dtype} scale={e.scale} offset={e.offset}" for g, e in uses)
+            problems.append(
+                f"{tensor} crosses parts with different encodings ({detail}); Genie passes it as raw "
+                "bytes: quantize again with this version (it pins cross-part encodings)"
+            )
+    return problems
+
+
+# ---- 3. local backend ----
+def qairt_version_of_onnxruntime_qnn() -> str:
+    """The QAIRT version onnxruntime-qnn bundles, from its libQnnHtp.so (e.g. "2.51.0")."""
+    import onnxruntime_qnn
+
+    data = Path(onnxruntime_qnn.get_qnn_htp_path()).read_bytes()
+    m = re.search(rb"v(\d+\.\d+\.\d+)\.\d{6,}", data)
+    if m is None:
+        raise CompileError(f"cannot read the QAIRT version from {onnxruntime_qnn.get_qnn_htp_path()}")
+    return m.group(1).decode()
+
+
+def compile_local(
+    soc_model: int,
+    htp_arch: int,
+    binary_file: str,
+    graphs: list[tuple[str, str]],
+    out_dir: str,
+    weight_sharing: bool,
+) -> dict[str, Any]:
+    """Compile one binary (its graphs, in order) in this process; run in a fresh child per binary.
+
+    `graphs` is [(graph name, prepared .onnx path)]. Returns the binary's figures.
+    """
+    import resource
+
+    import onnx
+    import onnxruntime as ort
+    import onnxruntime_qnn
+
+    ep = onnxruntime_qnn.get_ep_name()
+    if ep not in {d.ep_name for d in ort.get_ep_devices()}:
+        ort.register_execution_provider_library(ep, onnxruntime_qnn.get_library_path())
+    devices = [d for d in ort.get_ep_devices() if d.ep_name == ep]
+    work = Path(out_dir) / f".{binary_file}.work"
+    work.mkdir()
+    started = time.perf_counter()
+    contexts = []
+    for k, (name, path) in enumerate(graphs):
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        ctx = work / f"{name}_ctx.onnx"
+        for key, value in {
+            "ep.context_enable": "1",
+            "ep.context_file_path": str(ctx),
+            "ep.context_embed_mode": "0",
+            "session.disable_cpu_ep_fallback": "1",
+        }.items():
+            so.add_session_config_entry(key, value)
+        if weight_sharing:
+            so.add_session_config_entry("ep.share_ep_contexts", "1")
+            if k == len(graphs) - 1:
+                so.add_session_config_entry("ep.stop_share_ep_contexts", "1")
+        options = {
+            "backend_path": onnxruntime_qnn.get_qnn_htp_path(),
+            "soc_model": str(soc_model),
+            "htp_arch": str(htp_arch),
+            "enable_htp_prepare_only": "1",
+            # Float nodes (the float16 PLE paths) run in fp16 on the HTP.
+            "enable_htp_fp16_precision": "1",
+            "offload_graph_io_quantization": "0",
+            "htp_graph_finalization_optimization_mode": "3",
+        }
+        if weight_sharing:
+            options["enable_htp_weight_sharing"] = "1"
+        so.add_provider_for_devices(devices, options)
+        t0 = time.perf_counter()
+        external = Path(f"{path}.data").exists()
+        try:
+            ort.InferenceSession(path if external else Path(path).read_bytes(), so)
+        except Exception as e:  # onnxruntime raises its own Fail/RuntimeException classes
+            detail = str(e)
+            if "fallback to CPU EP has been explicitly disabled" in detail:
+                nodes = _nodes_left_on_cpu(path, devices, options, work)
+                detail = f"the HTP cannot take these nodes: {', '.join(nodes[:20]) or '(unknown)'}"
+            raise CompileError(
+                f"{name}: onnxruntime-qnn could not compile it for soc_model {soc_model} / "
+                f"v{htp_arch}: {detail}"
+            ) from None
+        contexts.append((name, ctx, round(time.perf_counter() - t0, 3)))
+    figures: dict[str, Any] = {"file": binary_file, "graphs": []}
+    bins = set()
+    for name, ctx, seconds in contexts:
+        m = onnx.load(str(ctx))
+        nodes = [(n.op_type, n.name) for n in m.graph.node]
+        if [t for t, _ in nodes] != ["EPContext"]:
+            raise CompileError(
+                f"{name}: the HTP took the graph in {sum(t == 'EPContext' for t, _ in nodes)} partitions "
+                f"with {sum(t != 'EPContext' for t, _ in nodes)} nodes outside; one partition is required"
+            )
+        attrs = {a.name: (a.s.decode() if a.s else a.i) for a in m.graph.node[0].attribute}
+        bins.add(attrs["ep_cache_context"])
+        figures["graphs"].append(
+            {"name": name, "qnn_graph_name": attrs["partition_name"], "compile_s": seconds}
+        )
+        figures["qairt_sdk"] = attrs["ep_sdk_version"]
+    if len(bins) != 1:
+        raise CompileError(
+            f"{binary_file}: expected one context binary, onnxruntime-qnn wrote {sorted(bins)}"
+        )
+    os.replace(work / bins.pop(), Path(out_dir) / binary_file)
+    shutil.rmtree(work)
+    figures["compile_s"] = round(time.perf_counter() - started, 3)
+    figures["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return figures
+
+
+def _nodes_left_on_cpu(path: str, devices, options: dict[str, str], work: Path) -> list[str]:
+    """Compile again with CPU fallback allowed; the nodes outside the EPContext are the HTP's refusals."""
+    import onnx
+    import onnxruntime as ort
+
+    ctx = work / "diagnose_ctx.onnx"
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.add_session_config_entry("ep.context_enable", "1")
+    so.add_session_config_entry("ep.context_file_path", str(ctx))
+    so.add_session_config_entry("ep.context_embed_mode", "0")
+    so.add_provider_for_devices(devices, options)
+    try:
+        ort.InferenceSession(path if Path(f"{path}.data").exists() else Path(path).read_bytes(), so)
+        return [f"{n.name} ({n.op_type})" for n in onnx.load(str(ctx)).graph.node if n.op_type != "EPContext"]
+    except Exception:
+        return []
+
+
+def parallel_compiles(binary_bytes: list[int], cpus: int | None = None) -> int:
+    """How many binaries may compile at once: CPUs, and the memory the largest one is expected to need."""
+    cpus = cpus or os.cpu_count() or 1
+    need = max(binary_bytes, default=0) * COMPILE_RSS_PER_WEIGHT_BYTE + COMPILE_RSS_OVERHEAD
+    return max(1, min(cpus, len(binary_bytes), int(available_memory_bytes() // need)))
+
+
+def available_memory_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+# ---- checks on a finished binary ----
+def check_binary(path: Path, soc: Soc, io_names: list[str]) -> dict[str, Any]:
+    """The compiler wrote the SoC we asked for, and the graph I/O tensors are in the binary."""
+    data = path.read_bytes()
+    if not data:
+        raise CompileError(f"{path.name} is empty")
+    socs = sorted({m.decode() for m in re.findall(rb"soc_type=(\w+);arch=\d+", data)})
+    archs = sorted({int(m) for m in re.findall(rb"soc_type=\w+;arch=(\d+)", data)})
+    if socs and (socs != [soc.name] or archs != [soc.htp_arch]):
+        raise CompileError(
+            f"{path.name} was built for {socs} / arch {archs}, not {soc.name} / {soc.htp_arch}"
+        )
+    missing = [t for t in io_names if t.encode() not in data]
+    if missing:
+        raise CompileError(f"{path.name} lacks the graph I/O tensors {', '.join(missing[:8])}")
+    return {"soc_type": socs[0] if socs else None, "arch": archs[0] if archs else None}
+
+
+# ---- the stage ----
+def _load_quantized(cfg: PipelineConfig, workdir: Path) -> tuple[Path, dict[str, Any], dict[str, Path]]:
+    q_dir = workdir / "quantized"
+    report = read_report(q_dir)
+    if report is None:
+        raise CompileError(
+            f"{q_dir} holds no finished quantize stage (no {REPORT_NAME}); run `make quantize` first"
+        )
+    if report["options"].get("soc") != cfg.soc:
+        raise CompileError(
+            f"{q_dir} was quantized for {report['options'].get('soc')}, not {cfg.soc}; run `make quantize` "
+            f"with SOC={cfg.soc}"
+        )
+    paths = {g["name"]: q_dir / g["qdq_onnx"] for g in report["figures"]["graphs"]}
+    wanted = [g for b in binary_layout(cfg) for g in b.graphs]
+    missing = [qdq_file_name(g) for g in wanted if g not in paths or not paths[g].is_file()]
+    if missing:
+        raise CompileError(f"{q_dir} lacks {', '.join(missing)}; run `make quantize` again")
+    return q_dir, report, {g: paths[g] for g in wanted}
+
+
+def prepare_graphs(
+    sources: dict[str, Path], dest: Path
+) -> tuple[dict[str, Path], dict[str, Any], dict[str, dict[str, dict[str, Encoding]]]]:
+    """Prepared copies of the QDQ graphs in dest; returns (paths, models without weights, encodings)."""
+    import onnx
+
+    paths, models, encodings = {}, {}, {}
+    for name, src in sources.items():
+        model = onnx.load(str(src))
+        encodings[name] = prepare_io(model)
+        out = dest / f"{name}.onnx"
+        large = weight_bytes(model) > EXTERNAL_DATA_BYTES
+        onnx.save(model, str(out), save_as_external_data=large, location=f"{out.name}.data")
+        paths[name] = out
+        models[name] = model
+    return paths, models, encodings
+
+
+def run_compile(
+    cfg: PipelineConfig, workdir: Path, jobs: int | None = None, aihub_module: Any = None
+) -> dict[str, Any]:
+    """The whole stage; returns its report. Bad input raises CompileError and leaves nothing."""
+    from tqdm import tqdm
+
+    soc = cfg.soc_info
+    q_dir, q_report, sources = _load_quantized(cfg, workdir)
+    layout = binary_layout(cfg)
+    out_dir = workdir / "compiled"
+    options = {"model": cfg.model, "soc": cfg.soc, **{k: getattr(cfg, k) for k in stage_fields("compile")}}
+    inputs = [q_dir / REPORT_NAME, *sources.values()]
+    with stage_output("compile", out_dir, inputs, options, root=workdir) as run:
+        prepared_dir = run.dir / ".prepared"
+        prepared_dir.mkdir()
+        paths, models, encodings = prepare_graphs(sources, prepared_dir)
+        problems = check_rules(soc, layout, models, encodings)
+        if problems:
+            raise CompileError(
+                f"the graphs break {soc.name}'s rules ({len(problems)}):\n  " + "\n  ".join(problems)
+            )
+        sizes = {b.file: sum(weight_bytes(models[g]) for g in b.graphs) for b in layout}
+        del models
+        started = time.perf_counter()
+        if cfg.compiler == "local":
+            qairt = qairt_version_of_onnxruntime_qnn()
+            if not qairt.startswith(cfg.qairt_version + "."):
+                raise CompileError(
+                    f"qairt_version={cfg.qairt_version}, but onnxruntime-qnn here bundles QAIRT {qairt}; "
+                    "set QAIRT_VERSION to match or use COMPILER=aihub"
+                )
+            workers = jobs or parallel_compiles(list(sizes.values()))
+            figures = _compile_all_local(soc, layout, paths, run.dir, workers, tqdm)
+            backend = {"name": "local", "qairt_version": qairt, "parallel": workers}
+        else:
+            from stages.aihub import compile_aihub
+
+            ledger = workdir / ".g4v69" / "aihub_jobs.json"
+            figures, qairt = compile_aihub(cfg, layout, paths, run.dir, ledger, aihub_module)
+            shutil.copy2(ledger, run.dir / "aihub_jobs.json")
+            backend = {"name": "aihub", "qairt_version": qairt, "device": soc.aihub_device}
+        shutil.rmtree(prepared_dir)
+        for b, fig in zip(layout, figures, strict=True):
+            path = run.dir / b.file
+            io_names = [t for g in b.graphs for d in ("inputs", "outputs") for t in encodings[g][d]]
+            fig.update(check_binary(path, soc, io_names))
+            fig.update(
+                part=b.part,
+                weight_shared=b.weight_shared,
+                weight_bytes=sizes[b.file],
+                bytes=path.stat().st_size,
+                sha256=sha256_file(path),
+            )
+            for gf in fig["graphs"]:
+                gf["io"] = {
+                    d: {t: e.to_dict() for t, e in encodings[gf["name"]][d].items()}
+                    for d in encodings[gf["name"]]
+                }
+        run.figures.update(
+            {
+                "soc": soc.name,
+                "soc_model": soc.soc_model,
+                "dsp_arch": soc.dsp_arch,
+                "backend": backend,
+                "binaries": figures,
+                "compile_wall_s": round(time.perf_counter() - started, 3),
+                "kv_cache_bits": q_report["figures"]["kv_cache_bits"],
+                "ple_policy": q_report["figures"]["ple_policy"],
+            }
+        )
+    return read_report(out_dir)
+
+
+def _compile_all_local(soc: Soc, layout: list[Binary], paths: dict[str, Path], out: Path, workers: int, tqdm):
+    """One fresh process per binary (a crash or a leak stays there; its peak RSS is its own)."""
+    results: dict[str, dict[str, Any]] = {}
+    with ProcessPoolExecutor(
+        max_workers=workers, mp_context=get_context("spawn"), max_tasks_per_child=1
+    ) as pool:
+        futures = {
+            pool.submit(
+                compile_local,
+                soc.soc_model,
+                soc.htp_arch,
+                b.file,
+                [(g, str(paths[g])) for g in b.graphs],
+                str(out),
+                b.weight_shared,
+            ): b.file
+            for b in layout
+        }
+        with tqdm(total=len(futures), desc=f"compile for {soc.name} ({soc.dsp_arch})", unit="binary") as bar:
+            try:
+                for f in futures:
+                    results[futures[f]] = f.result()
+                    bar.update()
+            except BaseException:
+                pool.shutdown(cancel_futures=True)
+                raise
+    return [results[b.file] for b in layout]

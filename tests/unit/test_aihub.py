@@ -1,0 +1,200 @@
+"""The AI Hub compile backend against the qai_hub test double (tests/doubles/qai_hub): success, a
+failed job, rate limiting, internal errors, bad tokens, quota, unknown devices, and a kill while
+waiting followed by a rerun that submits nothing twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from stages.aihub import MAX_ATTEMPTS, compile_aihub
+from stages.compile import CompileError
+from stages.config import load_config
+from stages.graphs import binary_layout
+from tests.conftest import DOUBLES, REPO
+
+TOKEN = "test-token"
+
+
+def _prepared(tmp_path: Path, cfg) -> dict[str, Path]:
+    """A small ONNX file per graph of the layout, with I/O named as the graph's would be."""
+    out = {}
+    for b in binary_layout(cfg):
+        for g in b.graphs:
+            graph = helper.make_graph(
+                [helper.make_node("Relu", ["inputs_embeds"], [f"{g}_out"])],
+                g,
+                [helper.make_tensor_value_info("inputs_embeds", TensorProto.UINT16, [1, 4])],
+                [helper.make_tensor_value_info(f"{g}_out", TensorProto.UINT16, [1, 4])],
+            )
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+            out[g] = tmp_path / f"{g}.onnx"
+            onnx.save(model, str(out[g]))
+    return out
+
+
+def _run(fake_hub, tmp_path, soc: str = "SM8450"):
+    cfg = load_config("tiny", {"soc": soc, "compiler": "aihub"})
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    prepared = _prepared(tmp_path, cfg)
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    figures, qairt = compile_aihub(cfg, binary_layout(cfg), prepared, out, tmp_path / "ledger.json", fake_hub)
+    return cfg, out, figures, json.loads((tmp_path / "ledger.json").read_text())
+
+
+@pytest.fixture
+def token(monkeypatch):
+    monkeypatch.setenv("QAI_HUB_API_TOKEN", TOKEN)
+
+
+def test_success_gives_one_binary_per_graph_on_v69(fake_hub, tmp_path, token):
+    fake_hub.scenario(devices=fake_hub_devices(), polls_to_finish=3, valid_tokens=[TOKEN])
+    cfg, out, figures, ledger = _run(fake_hub, tmp_path)
+    files = [b.file for b in binary_layout(cfg)]
+    assert [f["file"] for f in figures] == files
+    for f in files:
+        data = (out / f).read_bytes()
+        assert b"soc_type=SM8450;arch=69" in data and b"inputs_embeds" in data
+    assert len(fake_hub.calls("submit_compile_job")) == 4 and len(fake_hub.calls("upload_model")) == 4
+    jobs = ledger["jobs"]
+    assert all(j["status"] == "SUCCESS" and j["attempts"] == 1 for j in jobs.values())
+    server = json.loads((tmp_path / "hub-server" / "server.json").read_text())
+    options = {j["options"] for j in server["jobs"].values()}
+    assert options == {"--target_runtime qnn_context_binary --qairt_version 2.51"}
+    assert {j["device"] for j in server["jobs"].values()} == {"Samsung Galaxy S22 (Family)"}
+
+
+def test_weight_sharing_soc_compiles_dlcs_and_links_each_part(fake_hub, tmp_path, token):
+    fake_hub.scenario(devices=fake_hub_devices())
+    cfg, out, figures, ledger = _run(fake_hub, tmp_path, soc="SM8550")
+    assert [f["file"] for f in figures] == ["part1_of_2.bin", "part2_of_2.bin"]
+    assert len(fake_hub.calls("submit_link_job")) == 2
+    server = json.loads((tmp_path / "hub-server" / "server.json").read_text())
+    links = [j for j in server["jobs"].values() if j["kind"] == "link"]
+    assert all(len(j["models"]) == 2 for j in links)
+    assert b"soc_type=SM8550;arch=73" in (out / "part1_of_2.bin").read_bytes()
+
+
+def test_a_failed_job_is_shown_and_resubmitted(fake_hub, tmp_path, token, capsys):
+    fake_hub.scenario(devices=fake_hub_devices(), fail={"decode_ar1_part2_of_2": ["Op Foo not supported"]})
+    _, out, _, ledger = _run(fake_hub, tmp_path)
+    assert "decode_ar1_part2_of_2 failed: Op Foo not supported" in capsys.readouterr().err
+    assert ledger["jobs"]["decode_ar1_part2_of_2"]["attempts"] == 2
+    assert len(fake_hub.calls("upload_model")) == 4  # the resubmission reused the uploaded model
+    assert (out / "decode_ar1_part2_of_2.bin").is_file()
+
+
+def test_a_job_that_keeps_failing_stops_with_its_message_and_url(fake_hub, tmp_path, token):
+    fake_hub.scenario(devices=fake_hub_devices(), fail={"prefill_ar16_part1_of_2": ["out of memory"] * 9})
+    with pytest.raises(
+        CompileError,
+        match=rf"failed {MAX_ATTEMPTS} times; last message: out of memory; "
+        r"see https://app.aihub.qualcomm.com/jobs/j\d+/",
+    ):
+        _run(fake_hub, tmp_path)
+
+
+def test_rate_limiting_backs_off_then_succeeds(fake_hub, tmp_path, token):
+    fake_hub.scenario(devices=fake_hub_devices(), rate_limit={"submit_compile_job": 3, "get_status": 2})
+    _, out, _, ledger = _run(fake_hub, tmp_path)
+    assert len(fake_hub.calls("submit_compile_job")) == 4 + 3
+    assert all(j["attempts"] == 1 for j in ledger["jobs"].values())
+
+
+def test_internal_errors_retry_a_few_times_then_stop_clearly(fake_hub, tmp_path, token):
+    fake_hub.scenario(devices=fake_hub_devices(), internal_error={"get_devices": 2})
+    _run(fake_hub, tmp_path)  # two failures are retried
+    fake_hub.scenario(devices=fake_hub_devices(), internal_error={"upload_model": 99})
+    with pytest.raises(CompileError, match="internal error 4 times.*rerun later"):
+        _run(fake_hub, tmp_path / "again")
+
+
+def test_no_token_bad_token_quota_and_unknown_device_are_clear(fake_hub, tmp_path, monkeypatch):
+    monkeypatch.delenv("QAI_HUB_API_TOKEN", raising=False)
+    with pytest.raises(CompileError, match="needs an AI Hub API token: set QAI_HUB_API_TOKEN"):
+        _run(fake_hub, tmp_path)
+    assert fake_hub.calls() == []
+    monkeypatch.setenv("QAI_HUB_API_TOKEN", "wrong")
+    fake_hub.scenario(devices=fake_hub_devices(), valid_tokens=[TOKEN])
+    with pytest.raises(CompileError, match="AI Hub rejected the API token"):
+        _run(fake_hub, tmp_path)
+    monkeypatch.setenv("QAI_HUB_API_TOKEN", TOKEN)
+    fake_hub.scenario(devices=fake_hub_devices(), quota_exceeded=True)
+    with pytest.raises(CompileError, match="quota is used up"):
+        _run(fake_hub, tmp_path)
+    fake_hub.scenario(devices=[d for d in fake_hub_devices() if d["soc"] != "SM8450"])
+    with pytest.raises(CompileError, match="knows no device named 'Samsung Galaxy S22 \\(Family\\)'"):
+        _run(fake_hub, tmp_path)
+
+
+def test_the_token_never_reaches_the_ledger(fake_hub, tmp_path, token):
+    fake_hub.scenario(devices=fake_hub_devices())
+    _run(fake_hub, tmp_path)
+    assert TOKEN not in (tmp_path / "ledger.json").read_text()
+
+
+KILLABLE = """
+import sys
+from pathlib import Path
+import qai_hub
+from stages.aihub import compile_aihub
+from stages.config import load_config
+from stages.graphs import binary_layout
+tmp = Path(sys.argv[1])
+cfg = load_config("tiny", {"compiler": "aihub"})
+prepared = {p.stem: p for p in tmp.glob("*.onnx")}
+(tmp / "out").mkdir(exist_ok=True)
+compile_aihub(cfg, binary_layout(cfg), prepared, tmp / "out", tmp / "ledger.json", qai_hub)
+"""
+
+
+def test_kill_while_waiting_then_rerun_submits_nothing_twice(fake_hub, tmp_path, token):
+    fake_hub.scenario(devices=fake_hub_devices(), polls_to_finish=10**6)  # jobs run "forever"
+    cfg = load_config("tiny", {"compiler": "aihub"})
+    _prepared(tmp_path, cfg)
+    env = {**os.environ, "PYTHONPATH": f"{DOUBLES}{os.pathsep}{REPO}", "G4V69_AIHUB_POLL_S": "0.05"}
+    proc = subprocess.Popen([sys.executable, "-c", KILLABLE, str(tmp_path)], env=env, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while len(fake_hub.calls("get_status")) < 8 and time.time() < deadline:
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    assert len(fake_hub.calls("submit_compile_job")) == 4
+    ledger = json.loads((tmp_path / "ledger.json").read_text())
+    assert {j["status"] for j in ledger["jobs"].values()} == {"SUBMITTED"}
+    fake_hub.scenario(devices=fake_hub_devices(), polls_to_finish=1)  # now they finish
+    figures, _ = compile_aihub(
+        cfg,
+        binary_layout(cfg),
+        {p.stem: p for p in tmp_path.glob("*.onnx")},
+        tmp_path / "out",
+        tmp_path / "ledger.json",
+        fake_hub,
+    )
+    assert len(fake_hub.calls("submit_compile_job")) == 4 and len(fake_hub.calls("upload_model")) == 4
+    assert len(figures) == 4 and all((tmp_path / "out" / f["file"]).is_file() for f in figures)
+    # A third run finds everything finished and only downloads.
+    compile_aihub(
+        cfg,
+        binary_layout(cfg),
+        {p.stem: p for p in tmp_path.glob("*.onnx")},
+        tmp_path / "out",
+        tmp_path / "ledger.json",
+        fake_hub,
+    )
+    assert len(fake_hub.calls("submit_compile_job")) == 4
+
+
+def fake_hub_devices() -> list[dict]:
+    from tests.conftest import SOC_DEVICES
+
+    return SOC_DEVICES
