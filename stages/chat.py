@@ -6,7 +6,9 @@ lstrip_blocks, raise_exception), so the host runner sees the exact token ids Gen
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 from pathlib import Path
 
 # An -it model ends its turn with <turn|>, almost never with the bare <eos> (FACTS.md s.1).
@@ -92,3 +94,24 @@ class ChatTokenizer:
         if turn_end is not None:
             ids.add(turn_end)
         return ids
+
+
+# A Jinja string literal, single- or double-quoted, with backslash escapes.
+_STRING = r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""
+_ADJACENT = re.compile(rf"(?:{_STRING})(?:\s*(?:{_STRING}))+")
+_TAG = re.compile(r"\{\{.*?\}\}|\{%.*?%\}", re.DOTALL)
+
+
+def join_adjacent_string_literals(template: str) -> str:
+    """The same template with `'a' 'b'` inside tags written as `'ab'`.
+
+    Jinja2 concatenates adjacent string literals; minja, the C++ engine Genie renders chat templates
+    with, rejects them, and Gemma's template has some. Text outside `{{ }}` / `{% %}` is left alone.
+    """
+
+    def merge(m: re.Match) -> str:
+        parts = re.findall(_STRING, m.group(0))
+        text = "".join(ast.literal_eval(p) for p in parts)
+        return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+    return _TAG.sub(lambda tag: _ADJACENT.sub(merge, tag.group(0)), template)

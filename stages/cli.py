@@ -103,7 +103,6 @@ def _not_implemented(stage: str, issue: int):
 
 
 for _stage, _issue in (
-    ("bundle", 6),
     ("verify", 6),
     ("push", 6),
     ("run", 6),
@@ -288,6 +287,38 @@ def compile_(obj: Context, jobs: int | None) -> None:
         f"{obj.workdir / 'compiled'}: {len(fig['binaries'])} binaries for {fig['soc']} ({fig['dsp_arch']}), "
         f"{total / 1e6:.1f} MB, QAIRT {fig['backend']['qairt_version']} ({fig['backend']['name']}); "
         f"{report['wall_s']:.1f} s, peak RSS {peak / 2**30:.2f} GiB"
+    )
+
+
+@main.command()
+@click.option(
+    "--check",
+    "check_manifest_path",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="build nothing: say whether genie_bundle/ (or the folder holding MANIFEST) matches MANIFEST",
+)
+@click.pass_obj
+def bundle(obj: Context, check_manifest_path: Path | None) -> None:
+    """The Genie bundle (binaries, LUTs, tokenizer, rendered configs, manifest) into genie_bundle/."""
+    from stages.bundle import BundleError, check_manifest, run_bundle
+    from stages.chat import ChatError
+
+    if check_manifest_path is not None:
+        folder = check_manifest_path.parent
+        problems = check_manifest(folder, check_manifest_path)
+        if problems:
+            raise UserError(f"{folder} does not match {check_manifest_path}: " + "; ".join(problems[:10]))
+        click.echo(f"{folder} matches {check_manifest_path}")
+        return
+    try:
+        report = run_bundle(obj.config, obj.workdir, obj.checkpoint_dir())
+    except (BundleError, ChatError) as e:
+        raise UserError(str(e)) from None
+    fig = report["figures"]
+    click.echo(
+        f"{obj.workdir / 'genie_bundle'}: {fig['name']}, {fig['files']} files, {fig['bytes'] / 1e6:.1f} MB; "
+        f"Genie's validator: {fig['genie_validator']}"
     )
 
 

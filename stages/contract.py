@@ -34,6 +34,8 @@ from stages.graphs import GraphKind, graph_kinds, graph_name, part_name
 # a quantized mask then spans [-100, 0] instead of the whole float range.
 ATTENTION_MASK_MIN = -100.0
 CACHE_PREFIX = {FULL: "past", SLIDING: "swa"}
+MASK_NAME = {FULL: "attention_mask", SLIDING: "swa_attention_mask"}
+ROPE_PREFIX = {FULL: "", SLIDING: "swa_"}  # `{prefix}position_ids_{cos|sin}`
 FLOAT32 = "float32"
 
 
@@ -177,13 +179,13 @@ def part_graph_spec(
         if geo.ple_dim:
             inputs.append(TensorSpec(PER_LAYER_EMBEDS, (1, t, geo.num_layers, geo.ple_dim)))
     if FULL in kinds_here:
-        inputs.append(TensorSpec("attention_mask", (1, 1, t, cache_slots(geo, FULL, context, t) + t)))
+        inputs.append(TensorSpec(MASK_NAME[FULL], (1, 1, t, cache_slots(geo, FULL, context, t) + t)))
     if SLIDING in kinds_here:
-        inputs.append(TensorSpec("swa_attention_mask", (1, 1, t, cache_slots(geo, SLIDING, context, t) + t)))
+        inputs.append(TensorSpec(MASK_NAME[SLIDING], (1, 1, t, cache_slots(geo, SLIDING, context, t) + t)))
     if FULL in kinds_here:
-        inputs += [TensorSpec(f"position_ids_{f}", (1, 1, t, g_hd // 2)) for f in ("cos", "sin")]
+        inputs += [TensorSpec(f"{ROPE_PREFIX[FULL]}position_ids_{f}", (1, 1, t, g_hd // 2)) for f in ("cos", "sin")]
     if SLIDING in kinds_here:
-        inputs += [TensorSpec(f"swa_position_ids_{f}", (1, 1, t, s_hd // 2)) for f in ("cos", "sin")]
+        inputs += [TensorSpec(f"{ROPE_PREFIX[SLIDING]}position_ids_{f}", (1, 1, t, s_hd // 2)) for f in ("cos", "sin")]
 
     def kvshare(donor: int) -> list[TensorSpec]:
         d = geo.layers[donor]

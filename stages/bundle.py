@@ -1,0 +1,450 @@
+"""The bundle stage: compiled binaries + LUTs + tokenizer + rendered configs -> genie_bundle/.
+
+The two configs are Jinja2 templates (templates/*.j2) rendered from one context that this module
+derives from the pipeline config, the SoC table, the checkpoint and the export and compile reports:
+tensor names and dimensions come from the binaries' recorded graph I/O, quantization parameters
+from the LUTs the export wrote, ids from the checkpoint. Before anything is written the rendered
+configs are checked against the project's schemas (templates/*.schema.json), against the files and
+tensors they name, and, where onnxruntime-qnn is installed, against Genie's own validator.
+
+manifest.json lists every file with its size and sha256, the source checkpoint, the pipeline
+config, the QAIRT version the binaries need and the tool versions: nothing time- or path-dependent,
+so two bundles built from the same inputs have identical manifests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from stages.config import PipelineConfig, stage_fields
+from stages.contract import CACHE_PREFIX, INPUTS_EMBEDS, MASK_NAME, PER_LAYER_INPUTS, ROPE_PREFIX
+from stages.geometry import FULL, SLIDING
+from stages.report import REPORT_NAME, read_report, sha256_file, stage_output
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+GENIE_CONFIG = "genie_config.json"
+HTP_EXT_CONFIG = "htp_backend_ext_config.json"
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# Genie reads LUT sizes as uint32.
+LUT_LIMIT_BYTES = 2**32 - 1
+# Gemma 4's published sampling defaults (its generation_config.json), used when a checkpoint
+# carries none: the tiny model's has only token ids.
+GEMMA_SAMPLER = {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
+# Genie on the phone: 3 threads on the big cores (0xe0: cores 5-7 of 8).
+ENGINE_THREADS = 3
+ENGINE_CPU_MASK = "0xe0"
+LUT_DATATYPES = {8: "ufixed8", 16: "ufixed16"}
+GENIE_LUT_KEYS = {"embedding": "embedding", "per_layer_embedding": "perlayer-embedding"}
+
+
+class BundleError(ValueError):
+    """The bundle cannot be built; the message names the value or file and what to do."""
+
+
+# ---- the render context ----
+def _io(compiled: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Graph name -> {"inputs": {tensor: encoding}, "outputs": {...}} over every binary."""
+    return {g["name"]: g["io"] for b in compiled["figures"]["binaries"] for g in b["graphs"]}
+
+
+def _first(io: dict, direction: str, name: str) -> dict[str, Any]:
+    for graph in io.values():
+        if name in graph[direction]:
+            return graph[direction][name]
+    raise BundleError(f"no compiled graph has the {direction[:-1]} tensor {name!r}; run `make compile` again")
+
+
+def render_context(
+    cfg: PipelineConfig,
+    checkpoint_dir: Path,
+    export_report: dict[str, Any],
+    compiled: dict[str, Any],
+) -> dict[str, Any]:
+    """Everything the two templates print, derived; nothing here is a hand-copied number."""
+    from stages.checkpoint import Checkpoint
+
+    geo = Checkpoint(checkpoint_dir).geometry
+    soc = cfg.soc_info
+    io = _io(compiled)
+    gen_path = checkpoint_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    eos = gen.get("eos_token_id", geo.config.get("eos_token_id"))
+    eos_ids = sorted(set(eos if isinstance(eos, list) else [eos]) - {None})
+    from stages.chat import END_OF_TURN, ChatTokenizer
+
+    turn_end = ChatTokenizer(checkpoint_dir).token_id(END_OF_TURN)
+    if turn_end is not None and turn_end not in eos_ids:
+        eos_ids.append(turn_end)
+    bos = gen.get("bos_token_id", geo.config.get("bos_token_id"))
+    pad = gen.get("pad_token_id", geo.config.get("pad_token_id", 0))
+    logits = _first(io, "outputs", "logits")
+    mask = _first(io, "inputs", MASK_NAME[FULL])
+    # A key cache input is (1, 1, head_dim, kv_len): its head_dim is the group's kv-dim.
+    groups = []
+    for attention in (FULL, SLIDING):
+        prefix = f"{CACHE_PREFIX[attention]}_"
+        keys = [
+            e for g in io.values() for t, e in g["inputs"].items() if t.startswith(f"{prefix}key_")
+        ]
+        if not keys:
+            continue
+        groups.append(
+            {
+                "prefix": prefix,
+                "kv_dim": keys[0]["shape"][-2],
+                "mask": MASK_NAME[attention],
+                "window": geo.sliding_window if attention == SLIDING else None,
+            }
+        )
+    rope_params = geo.config["rope_parameters"]
+    ropes = []
+    for attention in (FULL, SLIDING):
+        prefix = ROPE_PREFIX[attention]
+        cos = _first(io, "inputs", f"{prefix}position_ids_cos")
+        params = rope_params[attention]
+        scaling = None
+        if params.get("rope_type", "default") != "default":
+            scaling = {
+                "type": params["rope_type"],
+                "partial_rotary_factor": params.get("partial_rotary_factor", 1.0),
+            }
+        ropes.append(
+            {"prefix": prefix, "dim": cos["shape"][-1], "theta": params["rope_theta"], "scaling": scaling}
+        )
+    luts = {}
+    for key, lut in export_report["figures"]["luts"].items():
+        luts[GENIE_LUT_KEYS[key]] = {
+            "path": Path(lut["path"]).name,
+            "size": lut["size"],
+            "datatype": LUT_DATATYPES[lut["bits"]],
+            "scale": lut["scale"],
+            "offset": lut["offset"],
+            "source": lut["path"],
+        }
+    sampler = {
+        "seed": 42,
+        "temp": gen.get("temperature", GEMMA_SAMPLER["temperature"]),
+        "top_k": gen.get("top_k", GEMMA_SAMPLER["top_k"]),
+        "top_p": gen.get("top_p", GEMMA_SAMPLER["top_p"]),
+    }
+    return {
+        "context": {
+            "size": mask["shape"][-1],
+            "n_vocab": logits["shape"][-1],
+            "bos": bos,
+            "eos": eos_ids,
+            "pad": pad,
+        },
+        "sampler": sampler,
+        "tokenizer": TOKENIZER,
+        "engine": {
+            "n_threads": ENGINE_THREADS,
+            "cpu_mask": ENGINE_CPU_MASK,
+            "kv_dim": min(g["kv_dim"] for g in groups),
+            "extensions": HTP_EXT_CONFIG,
+        },
+        "ctx_bins": [b["file"] for b in compiled["figures"]["binaries"]],
+        "ropes": ropes,
+        "cache_groups": groups,
+        "luts": luts,
+        "soc": {"soc_model": soc.soc_model, "dsp_arch": soc.dsp_arch},
+        "perf_profile": "burst",
+        "rpc_control_latency": 100,
+        "weight_sharing": any(b["weight_shared"] for b in compiled["figures"]["binaries"]),
+    }
+
+
+def render(template: str, context: dict[str, Any]) -> dict[str, Any]:
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined, autoescape=False
+    )
+    text = env.get_template(template).render(**context)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BundleError(f"templates/{template} rendered invalid JSON: {e}") from None
+
+
+# ---- checks ----
+_TYPES = {
+    "object": dict,
+    "array": list,
+    "string": str,
+    "boolean": bool,
+    "integer": int,
+    "number": (int, float),
+}
+
+
+def schema_errors(value: Any, schema: dict[str, Any], where: str = "") -> list[str]:
+    """The draft-07 subset the project's schemas use: type, required, properties,
+    additionalProperties=false, items, min/maxItems, enum, pattern, minLength, minimum, maximum,
+    exclusiveMinimum."""
+    at = where or "/"
+    kind = schema.get("type")
+    if kind:
+        ok = isinstance(value, _TYPES[kind]) and not (kind in ("integer", "number") and isinstance(value, bool))
+        if not ok:
+            return [f"{at}: expected {kind}, got {type(value).__name__} {value!r}"]
+    errors: list[str] = []
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{at}: {value!r} is not one of {schema['enum']}")
+    if isinstance(value, str):
+        if len(value) < schema.get("minLength", 0):
+            errors.append(f"{at}: empty string")
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            errors.append(f"{at}: {value!r} does not match {schema['pattern']}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if "minimum" in schema and value < schema["minimum"]:
+            errors.append(f"{at}: {value} < {schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            errors.append(f"{at}: {value} > {schema['maximum']}")
+        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+            errors.append(f"{at}: {value} <= {schema['exclusiveMinimum']}")
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        errors += [f"{at}: missing {k!r}" for k in schema.get("required", []) if k not in value]
+        if schema.get("additionalProperties") is False:
+            errors += [f"{at}: unknown key {k!r}" for k in value if k not in props]
+        for k, v in value.items():
+            if k in props:
+                errors += schema_errors(v, props[k], f"{where}/{k}")
+    if isinstance(value, list):
+        if len(value) < schema.get("minItems", 0) or len(value) > schema.get("maxItems", len(value)):
+            errors.append(f"{at}: {len(value)} items")
+        for i, item in enumerate(value):
+            errors += schema_errors(item, schema.get("items", {}), f"{where}/{i}")
+    return errors
+
+
+def consistency_errors(
+    genie: dict[str, Any], files: dict[str, Path], io: dict[str, dict[str, dict[str, Any]]]
+) -> list[str]:
+    """What the schema cannot see: the files and tensors the config names must exist and agree."""
+    d = genie["dialog"]
+    errors = []
+    for name in d["engine"]["model"]["binary"]["ctx-bins"]:
+        if name not in files:
+            errors.append(f"ctx-bin {name} is not in the bundle")
+    inputs = {t: e for g in io.values() for t, e in g["inputs"].items()}
+    for group in d["engine"]["cache-groups"]:
+        if not any(t.startswith(group["prefix"]) for t in inputs):
+            errors.append(f"cache group prefix {group['prefix']!r} matches no graph input")
+        if group["attention-mask-tensor-name"] not in inputs:
+            errors.append(f"attention mask {group['attention-mask-tensor-name']!r} is no graph input")
+    embeds = inputs.get(INPUTS_EMBEDS)
+    for key, tensor in (("embedding", INPUTS_EMBEDS), ("perlayer-embedding", PER_LAYER_INPUTS)):
+        lut = d.get(key)
+        if lut is None:
+            continue
+        path = files.get(lut["lut-path"])
+        if path is None:
+            errors.append(f"{key} lut-path {lut['lut-path']} is not in the bundle")
+            continue
+        size = path.stat().st_size
+        if size > LUT_LIMIT_BYTES:
+            errors.append(f"{key} LUT {lut['lut-path']} is {size / 2**30:.2f} GiB; Genie reads sizes as uint32 (< 4 GiB)")
+        enc = inputs.get(tensor)
+        if enc is None:
+            errors.append(f"{key}: no graph input {tensor}")
+            continue
+        width = 1
+        for n in enc["shape"][2:]:
+            width *= n
+        if width != lut["size"]:
+            errors.append(f"{key} size {lut['size']} != {tensor} width {width}")
+    if embeds and embeds.get("scale") is not None:
+        lut = d["embedding"]["quant-param"]
+        if embeds["offset"] != lut["offset"] or abs(embeds["scale"] - lut["scale"]) > 1e-6 * lut["scale"]:
+            errors.append(
+                f"{INPUTS_EMBEDS} is quantized with scale {embeds['scale']} offset {embeds['offset']}, the "
+                f"embedding LUT with {lut['scale']} / {lut['offset']}: quantize again with this version"
+            )
+    return errors
+
+
+def genie_validator_errors(genie: dict[str, Any]) -> list[str] | None:
+    """Genie's own schema check through onnxruntime-qnn's x86 libGenie.so (QAIRT 2.51), or None where
+    that library is not installed. Genie prints its findings on stdout (fd 1): they are captured."""
+    import ctypes
+    import tempfile
+
+    try:
+        import onnxruntime_qnn
+    except ImportError:
+        return None
+    lib = ctypes.CDLL(str(Path(onnxruntime_qnn.__file__).parent / "libGenie.so"))
+    create = lib.GenieDialogConfig_createFromJson
+    create.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+    create.restype = ctypes.c_int32
+    lib.GenieDialogConfig_free.argtypes = [ctypes.c_void_p]
+    handle = ctypes.c_void_p()
+    with tempfile.TemporaryFile() as capture:
+        import sys
+
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(capture.fileno(), 1)
+        try:
+            status = create(json.dumps(genie).encode(), ctypes.byref(handle))
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        capture.seek(0)
+        said = capture.read().decode(errors="replace").strip()
+    if status == 0:
+        lib.GenieDialogConfig_free(handle)
+        return []
+    return [f"libGenie.so rejected genie_config.json (status {status}): {said}"]
+
+
+# ---- the stage ----
+def bundle_name(cfg: PipelineConfig) -> str:
+    return f"{cfg.checkpoint_name}-{cfg.soc.lower()}-{cfg.precision}-ctx{cfg.max_context}"
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copy2(src, dest)
+
+
+def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
+    """The whole stage; returns its report. A bad input raises BundleError and writes nothing."""
+    from stages.chat import chat_template, join_adjacent_string_literals
+
+    compiled_dir, export_dir = workdir / "compiled", workdir / "exported"
+    compiled = read_report(compiled_dir)
+    if compiled is None:
+        raise BundleError(f"{compiled_dir} holds no finished compile (no {REPORT_NAME}); run `make compile` first")
+    export_report = read_report(export_dir)
+    if export_report is None:
+        raise BundleError(f"{export_dir} holds no finished export; run `make export` first")
+    if compiled["options"].get("soc") != cfg.soc:
+        raise BundleError(
+            f"{compiled_dir} holds binaries for {compiled['options'].get('soc')}, not {cfg.soc}; "
+            f"run `make compile SOC={cfg.soc}`"
+        )
+    context = render_context(cfg, checkpoint_dir, export_report, compiled)
+    genie = render("genie_config.json.j2", context)
+    htp_ext = render("htp_backend_ext_config.json.j2", context)
+    # Files the bundle will hold, by name, from where they are now.
+    files: dict[str, Path] = {b["file"]: compiled_dir / b["file"] for b in compiled["figures"]["binaries"]}
+    for lut in context["luts"].values():
+        files[lut["path"]] = export_dir / lut["source"]
+    files[TOKENIZER] = checkpoint_dir / TOKENIZER
+    missing = [str(p) for p in files.values() if not p.is_file()]
+    if missing:
+        raise BundleError(f"missing inputs: {', '.join(missing)}; run the stage that makes them again")
+    io = _io(compiled)
+    problems = [f"genie_config.json{e}" for e in schema_errors(genie, _schema("genie_config"))]
+    problems += [f"htp_backend_ext_config.json{e}" for e in schema_errors(htp_ext, _schema("htp_backend_ext_config"))]
+    problems += consistency_errors(genie, files, io)
+    if not problems:
+        genie_says = genie_validator_errors(genie)
+        problems += genie_says or []
+    if problems:
+        raise BundleError("the rendered configs are wrong:\n  " + "\n  ".join(problems))
+
+    tok_cfg_path = checkpoint_dir / TOKENIZER_CONFIG
+    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
+    tok_cfg["chat_template"] = join_adjacent_string_literals(chat_template(checkpoint_dir))
+    download = read_report(checkpoint_dir) or {}
+    out_dir = workdir / "genie_bundle"
+    options = {"model": cfg.model, "soc": cfg.soc, **{k: getattr(cfg, k) for k in stage_fields("bundle")}}
+    inputs = [compiled_dir / REPORT_NAME, export_dir / REPORT_NAME, *files.values()]
+    with stage_output("bundle", out_dir, inputs, options, root=workdir) as run:
+        for name, src in files.items():
+            _link_or_copy(src, run.dir / name)
+        _write_json(run.dir / GENIE_CONFIG, genie)
+        _write_json(run.dir / HTP_EXT_CONFIG, htp_ext)
+        _write_json(run.dir / TOKENIZER_CONFIG, tok_cfg)
+        keep_readme = workdir / "genie_bundle" / "README.md"
+        if keep_readme.is_file():
+            shutil.copy2(keep_readme, run.dir / "README.md")
+        listed = sorted(p for p in run.dir.iterdir() if p.name not in (MANIFEST, REPORT_NAME, "README.md"))
+        manifest = {
+            "name": bundle_name(cfg),
+            "soc": cfg.soc,
+            "soc_model": cfg.soc_info.soc_model,
+            "dsp_arch": cfg.soc_info.dsp_arch,
+            "qairt_version": compiled["figures"]["backend"]["qairt_version"],
+            "genie_config": GENIE_CONFIG,
+            "htp_backend_ext_config": HTP_EXT_CONFIG,
+            "binaries": context["ctx_bins"],
+            "checkpoint": {
+                "model": cfg.model,
+                "revision": (download.get("figures") or {}).get("revision", cfg.model_revision),
+                "files": [f for f in download.get("outputs", []) if f["path"] != REPORT_NAME],
+            },
+            "config": cfg.to_dict(),
+            "compiler": compiled["figures"]["backend"]["name"],
+            "tool_versions": {
+                stage: (read_report(d) or {}).get("tool_versions", {})
+                for stage, d in (("export", export_dir), ("quantize", workdir / "quantized"), ("compile", compiled_dir))
+            },
+            "lock_sha256": _lock_hashes(),
+            "files": [{"path": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in listed],
+        }
+        _write_json(run.dir / MANIFEST, manifest)
+        run.figures.update(
+            {
+                "name": manifest["name"],
+                "files": len(manifest["files"]),
+                "bytes": sum(f["bytes"] for f in manifest["files"]),
+                "manifest_sha256": sha256_file(run.dir / MANIFEST),
+                "genie_validator": "libGenie.so (onnxruntime-qnn)" if _has_genie() else "not available here",
+            }
+        )
+    return read_report(out_dir)
+
+
+def _schema(name: str) -> dict[str, Any]:
+    return json.loads((TEMPLATES / f"{name}.schema.json").read_text())
+
+
+def _has_genie() -> bool:
+    try:
+        import onnxruntime_qnn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _lock_hashes() -> dict[str, str]:
+    docker = TEMPLATES.parent / "docker"
+    return {p.parent.name: sha256_file(p) for p in sorted(docker.glob("*/requirements.lock"))}
+
+
+def check_manifest(bundle_dir: Path, manifest_path: Path | None = None) -> list[str]:
+    """Every difference between a bundle folder and its manifest (empty: they match)."""
+    manifest_path = manifest_path or bundle_dir / MANIFEST
+    if not manifest_path.is_file():
+        return [f"{manifest_path} does not exist"]
+    manifest = json.loads(manifest_path.read_text())
+    problems = []
+    for f in manifest["files"]:
+        path = bundle_dir / f["path"]
+        if not path.is_file():
+            problems.append(f"{f['path']}: missing")
+        elif path.stat().st_size != f["bytes"]:
+            problems.append(f"{f['path']}: {path.stat().st_size} bytes, manifest says {f['bytes']}")
+        elif sha256_file(path) != f["sha256"]:
+            problems.append(f"{f['path']}: sha256 differs from the manifest")
+    listed = {f["path"] for f in manifest["files"]} | {MANIFEST, REPORT_NAME, "README.md"}
+    problems += [f"{p.name}: not in the manifest" for p in sorted(bundle_dir.iterdir()) if p.name not in listed]
+    return problems
