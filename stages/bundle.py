@@ -90,9 +90,7 @@ def render_context(
     groups = []
     for attention in (FULL, SLIDING):
         prefix = f"{CACHE_PREFIX[attention]}_"
-        keys = [
-            e for g in io.values() for t, e in g["inputs"].items() if t.startswith(f"{prefix}key_")
-        ]
+        keys = [e for g in io.values() for t, e in g["inputs"].items() if t.startswith(f"{prefix}key_")]
         if not keys:
             continue
         groups.append(
@@ -192,7 +190,9 @@ def schema_errors(value: Any, schema: dict[str, Any], where: str = "") -> list[s
     at = where or "/"
     kind = schema.get("type")
     if kind:
-        ok = isinstance(value, _TYPES[kind]) and not (kind in ("integer", "number") and isinstance(value, bool))
+        ok = isinstance(value, _TYPES[kind]) and not (
+            kind in ("integer", "number") and isinstance(value, bool)
+        )
         if not ok:
             return [f"{at}: expected {kind}, got {type(value).__name__} {value!r}"]
     errors: list[str] = []
@@ -252,7 +252,10 @@ def consistency_errors(
             continue
         size = path.stat().st_size
         if size > LUT_LIMIT_BYTES:
-            errors.append(f"{key} LUT {lut['lut-path']} is {size / 2**30:.2f} GiB; Genie reads sizes as uint32 (< 4 GiB)")
+            errors.append(
+                f"{key} LUT {lut['lut-path']} is {size / 2**30:.2f} GiB; Genie reads sizes as uint32 "
+                "(< 4 GiB): use ple_lut_bits=8"
+            )
         enc = inputs.get(tensor)
         if enc is None:
             errors.append(f"{key}: no graph input {tensor}")
@@ -274,7 +277,7 @@ def consistency_errors(
 
 def genie_validator_errors(genie: dict[str, Any]) -> list[str] | None:
     """Genie's own schema check through onnxruntime-qnn's x86 libGenie.so (QAIRT 2.51), or None where
-    that library is not installed. Genie prints its findings on stdout (fd 1): they are captured."""
+    that library is not installed. Genie prints its findings on stderr (fd 2): they are captured."""
     import ctypes
     import tempfile
 
@@ -292,13 +295,16 @@ def genie_validator_errors(genie: dict[str, Any]) -> list[str] | None:
         import sys
 
         sys.stdout.flush()
-        saved = os.dup(1)
-        os.dup2(capture.fileno(), 1)
+        sys.stderr.flush()
+        saved = {fd: os.dup(fd) for fd in (1, 2)}
+        for fd in saved:
+            os.dup2(capture.fileno(), fd)
         try:
             status = create(json.dumps(genie).encode(), ctypes.byref(handle))
         finally:
-            os.dup2(saved, 1)
-            os.close(saved)
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
         capture.seek(0)
         said = capture.read().decode(errors="replace").strip()
     if status == 0:
@@ -326,7 +332,9 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     compiled_dir, export_dir = workdir / "compiled", workdir / "exported"
     compiled = read_report(compiled_dir)
     if compiled is None:
-        raise BundleError(f"{compiled_dir} holds no finished compile (no {REPORT_NAME}); run `make compile` first")
+        raise BundleError(
+            f"{compiled_dir} holds no finished compile (no {REPORT_NAME}); run `make compile` first"
+        )
     export_report = read_report(export_dir)
     if export_report is None:
         raise BundleError(f"{export_dir} holds no finished export; run `make export` first")
@@ -348,7 +356,9 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
         raise BundleError(f"missing inputs: {', '.join(missing)}; run the stage that makes them again")
     io = _io(compiled)
     problems = [f"genie_config.json{e}" for e in schema_errors(genie, _schema("genie_config"))]
-    problems += [f"htp_backend_ext_config.json{e}" for e in schema_errors(htp_ext, _schema("htp_backend_ext_config"))]
+    problems += [
+        f"htp_backend_ext_config.json{e}" for e in schema_errors(htp_ext, _schema("htp_backend_ext_config"))
+    ]
     problems += consistency_errors(genie, files, io)
     if not problems:
         genie_says = genie_validator_errors(genie)
@@ -391,7 +401,11 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
             "compiler": compiled["figures"]["backend"]["name"],
             "tool_versions": {
                 stage: (read_report(d) or {}).get("tool_versions", {})
-                for stage, d in (("export", export_dir), ("quantize", workdir / "quantized"), ("compile", compiled_dir))
+                for stage, d in (
+                    ("export", export_dir),
+                    ("quantize", workdir / "quantized"),
+                    ("compile", compiled_dir),
+                )
             },
             "lock_sha256": _lock_hashes(),
             "files": [{"path": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in listed],
@@ -446,5 +460,7 @@ def check_manifest(bundle_dir: Path, manifest_path: Path | None = None) -> list[
         elif sha256_file(path) != f["sha256"]:
             problems.append(f"{f['path']}: sha256 differs from the manifest")
     listed = {f["path"] for f in manifest["files"]} | {MANIFEST, REPORT_NAME, "README.md"}
-    problems += [f"{p.name}: not in the manifest" for p in sorted(bundle_dir.iterdir()) if p.name not in listed]
+    problems += [
+        f"{p.name}: not in the manifest" for p in sorted(bundle_dir.iterdir()) if p.name not in listed
+    ]
     return problems

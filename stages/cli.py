@@ -103,7 +103,6 @@ def _not_implemented(stage: str, issue: int):
 
 
 for _stage, _issue in (
-    ("verify", 6),
     ("push", 6),
     ("run", 6),
 ):
@@ -319,6 +318,31 @@ def bundle(obj: Context, check_manifest_path: Path | None) -> None:
     click.echo(
         f"{obj.workdir / 'genie_bundle'}: {fig['name']}, {fig['files']} files, {fig['bytes'] / 1e6:.1f} MB; "
         f"Genie's validator: {fig['genie_validator']}"
+    )
+
+
+@main.command()
+@click.option("--prompt", default="What is the capital of France?", show_default=True, help="the user turn")
+@click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1))
+@click.pass_obj
+def verify(obj: Context, prompt: str, max_new_tokens: int) -> None:
+    """Check genie_bundle/ on the host: hashes, binaries vs config, tokens vs transformers; into verify/."""
+    from stages.bundle import BundleError
+    from stages.checkpoint import CheckpointError
+    from stages.verify import VerifyError, run_verify
+
+    try:
+        report = run_verify(obj.config, obj.workdir, obj.checkpoint_dir(), prompt, max_new_tokens)
+    except (VerifyError, BundleError, CheckpointError) as e:
+        raise UserError(str(e)) from None
+    fig = report["figures"]
+    click.echo(f"prompt: {prompt}")
+    click.echo(f"bundle (quantized, host): {fig['bundle_text']!r}")
+    click.echo(f"transformers (float):     {fig['transformers_text']!r}")
+    click.echo(
+        f"{obj.workdir / 'verify'}: {fig['bundle']} passes its checks; greedy tokens match transformers for "
+        f"{fig['matching_prefix_tokens']} of {len(fig['transformers_tokens'])}, top-1 agreement "
+        f"{fig['top1_agreement']:.3f}"
     )
 
 

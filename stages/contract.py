@@ -183,9 +183,14 @@ def part_graph_spec(
     if SLIDING in kinds_here:
         inputs.append(TensorSpec(MASK_NAME[SLIDING], (1, 1, t, cache_slots(geo, SLIDING, context, t) + t)))
     if FULL in kinds_here:
-        inputs += [TensorSpec(f"{ROPE_PREFIX[FULL]}position_ids_{f}", (1, 1, t, g_hd // 2)) for f in ("cos", "sin")]
+        inputs += [
+            TensorSpec(f"{ROPE_PREFIX[FULL]}position_ids_{f}", (1, 1, t, g_hd // 2)) for f in ("cos", "sin")
+        ]
     if SLIDING in kinds_here:
-        inputs += [TensorSpec(f"{ROPE_PREFIX[SLIDING]}position_ids_{f}", (1, 1, t, s_hd // 2)) for f in ("cos", "sin")]
+        inputs += [
+            TensorSpec(f"{ROPE_PREFIX[SLIDING]}position_ids_{f}", (1, 1, t, s_hd // 2))
+            for f in ("cos", "sin")
+        ]
 
     def kvshare(donor: int) -> list[TensorSpec]:
         d = geo.layers[donor]

@@ -44,21 +44,11 @@ def _workdir_with(checkpoint: Path, tmp: Path) -> Path:
 @pytest.fixture(scope="module")
 def hf_model(tiny_checkpoint):
     import torch
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    ckpt = Checkpoint(tiny_checkpoint)
-    text = {k: v for k, v in ckpt.geometry.config.items() if k != "model_type"}
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**text, attn_implementation="eager")).eval()
-    state = {
-        "model." + name.removeprefix(ckpt.prefix): ckpt.tensor(name.removeprefix(ckpt.prefix))
-        for name in ckpt.files
-        if name.startswith(ckpt.prefix)
-    }
-    result = model.load_state_dict(state, strict=False)
-    assert result.missing_keys == ["lm_head.weight"] and not result.unexpected_keys
-    model.tie_weights()
+    from stages.reference import transformers_model
+
     torch.manual_seed(0)
-    return model
+    return transformers_model(tiny_checkpoint)
 
 
 @pytest.fixture(scope="module")
