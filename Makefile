@@ -72,7 +72,7 @@ QAIHUB_INI := $(abspath $(or $(QAIHUB_CLIENT_INI),$(wildcard $(HOME)/.qai_hub/cl
 # The work tree (and WORKDIR, when it lies outside it) mounted at the same paths as on the host;
 # the calling user's UID; no privileges; secrets only as runtime environment, by name (docker
 # reads their values from this environment, so they never appear on a command line or in a log).
-DOCKER_RUN = docker run --rm -i --user $$(id -u):$$(id -g) --cap-drop ALL $(DOCKER_ARGS) \
+DOCKER_RUN = docker run --rm -i --user $$(id -u):$$(id -g) --cap-drop ALL $(DOCKER_ARGS) $(2) \
   --security-opt no-new-privileges -v '$(CURDIR):$(CURDIR)' -w '$(CURDIR)' \
   $(if $(filter $(CURDIR)/%,$(ABS_WORKDIR)/),,-v '$(ABS_WORKDIR):$(ABS_WORKDIR)') \
   $(if $(FROM),-v '$(abspath $(FROM)):$(abspath $(FROM)):ro') \
@@ -102,7 +102,7 @@ BUNDLE_REPORT   = $(WORKDIR)/genie_bundle/report.json
 VERIFY_REPORT   = $(WORKDIR)/verify/report.json
 
 .PHONY: help images wheelhouse base-image lock download export quantize compile bundle verify \
-  push run generate demo plan doctor image-tag test test-unit test-container lint clean venv g4v69 FORCE \
+  push run generate demo bench plan doctor image-tag test test-unit test-container lint clean venv g4v69 FORCE \
   $(addprefix image-,$(IMAGES))
 
 help: ## list the targets and variables
@@ -144,10 +144,14 @@ quantize: $(QUANTIZE_REPORT) ## w8a16 QDQ graphs (8-bit KV on v69) into quantize
 compile: $(COMPILE_REPORT) ## QNN context binaries into compiled/ (COMPILER=local|aihub)
 bundle: $(BUNDLE_REPORT) ## the Genie bundle into genie_bundle/
 verify: $(VERIFY_REPORT) ## check the bundle on the host against transformers into verify/
-push: $(BUNDLE_REPORT) | $(call RUNNER_DEP,tools) ## adb-push the bundle and QAIRT runtime to the phone
-	$(call g4v69,tools) push
-run: | $(call RUNNER_DEP,tools) ## run PROMPT on the phone with genie-t2t-run
-	$(call g4v69,tools) run
+# push/run in the tools image talk to the phone through the host's adb server (`adb start-server` on the
+# host; the container shares the host network) or through USB passed in with
+# DOCKER_ARGS='--device /dev/bus/usb'. QNN_SDK_ROOT (your QAIRT SDK) is shown to it read-only.
+DEVICE_RUN_ARGS = $(if $(filter docker,$(RUNNER)),--network host $(if $(QNN_SDK_ROOT),-v '$(QNN_SDK_ROOT):$(QNN_SDK_ROOT):ro'))
+push: $(BUNDLE_REPORT) | $(call RUNNER_DEP,tools) ## adb-push the bundle and QAIRT runtime (QNN_SDK_ROOT) to the phone
+	$(call g4v69,tools,$(DEVICE_RUN_ARGS)) push
+run: | $(call RUNNER_DEP,tools) ## run PROMPT on the phone with genie-t2t-run (after make push)
+	$(call g4v69,tools,$(DEVICE_RUN_ARGS)) run --prompt '$(subst ','\'',$(PROMPT))'
 generate: $(EXPORT_REPORT) | $(call RUNNER_DEP,export) ## run PROMPT through the exported graphs on the host
 	@$(call g4v69,export) generate --prompt '$(subst ','\'',$(PROMPT))'
 # The tiny model knows Python docstrings only; a prompt from its domain (out of it, its first tokens are
@@ -155,6 +159,18 @@ generate: $(EXPORT_REPORT) | $(call RUNNER_DEP,export) ## run PROMPT through the
 DEMO_PROMPT ?= Return the first element of a list.
 demo: ## the built-in tiny model through every stage to a verified bundle
 	$(MAKE) --no-print-directory verify PRESET=tiny PROMPT='$(DEMO_PROMPT)'
+
+# The scale benchmark: the full E2B geometry with random weights through export, quantize and the local
+# compile, resumable (finished stages are kept), then a results table from the stages' own reports.
+BENCH_MODEL       ?= e2b-random
+BENCH_WORKDIR     ?= $(WORKDIR)/bench-work
+BENCH_RESULTS     ?= ci/bench-results
+# Calibration through the float chain on the built-in corpus (WikiText-2 where it can be downloaded).
+BENCH_CALIBRATION ?= G4V69_CALIBRATION_DATASET=files G4V69_CALIBRATION_SAMPLES=1 G4V69_CALIBRATION_TOKENS=256
+bench: ## E2B-size bench: export + quantize + compile, then ci/bench-results/<date>-<machine>.{json,md}
+	$(BENCH_CALIBRATION) $(MAKE) --no-print-directory compile MODEL=$(BENCH_MODEL) WORKDIR='$(BENCH_WORKDIR)'
+	@$(call g4v69,tools) --model $(BENCH_MODEL) --workdir '$(BENCH_WORKDIR)' bench-report \
+	  --output '$(BENCH_RESULTS)' --command 'make bench BENCH_MODEL=$(BENCH_MODEL) $(BENCH_CALIBRATION)'
 
 plan: | $(call RUNNER_DEP,tools) ## print the memory/size/throughput plan of the config
 	@$(call g4v69,tools) plan

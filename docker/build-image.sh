@@ -10,7 +10,13 @@ base=${2:?}
 wheelhouse=${3:?}
 here=$(cd "$(dirname "$0")" && pwd)
 tag=$("$here/image-tag.sh" "$name" "$base")
-if docker image inspect "$tag" >/dev/null 2>&1; then
+# G4V69_BUILD_TAG builds a second, independent copy (no layer cache) under another tag: the
+# reproducibility test compares what the two install.
+no_cache=()
+if [ -n "${G4V69_BUILD_TAG:-}" ]; then
+  tag=$G4V69_BUILD_TAG
+  no_cache=(--no-cache)
+elif docker image inspect "$tag" >/dev/null 2>&1; then
   echo "image $tag: up to date (tag derives from its lock), reused" >&2
   exit 0
 fi
@@ -36,7 +42,7 @@ lock_sha=$(sha256sum "$here/$name/requirements.lock" | cut -d' ' -f1)
 echo "image $tag: building from $base, $(ls "$ctx/wheels" | wc -l) wheels, $(ls "$ctx/debs" | wc -l) debs, no network"
 start=$(date +%s)
 # --network none: the build must not need the network; a missing wheel fails here, not silently.
-docker build --network none --pull=false --force-rm \
+docker build --network none --pull=false --force-rm "${no_cache[@]}" \
   --build-arg BASE_IMAGE="$base" --build-arg IMAGE_NAME="$name" --build-arg LOCK_SHA256="$lock_sha" \
   -t "$tag" "$ctx"
 # The venv stage is only a means to keep the wheels out of the final layers.

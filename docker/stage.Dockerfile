@@ -9,7 +9,9 @@ LABEL org.g4v69.build-stage=venv
 COPY requirements.lock /build/requirements.lock
 COPY wheels/ /build/wheels/
 # The one sdist-only dependency builds with setuptools from wheels/ (pip's isolated build env).
-RUN python3 -m venv /opt/venv \
+# SOURCE_DATE_EPOCH makes the byte-compiled .pyc files hash-based instead of stamped with the time of
+# extraction, so two builds from the same lock install byte-identical files.
+RUN export SOURCE_DATE_EPOCH=0 && python3 -m venv /opt/venv \
  && PIP_NO_INDEX=1 PIP_FIND_LINKS=/build/wheels /opt/venv/bin/pip install --no-cache-dir \
       --disable-pip-version-check --no-deps --require-hashes -r /build/requirements.lock \
  && /opt/venv/bin/pip check

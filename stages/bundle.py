@@ -77,9 +77,9 @@ def render_context(
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     eos = gen.get("eos_token_id", geo.config.get("eos_token_id"))
     eos_ids = sorted(set(eos if isinstance(eos, list) else [eos]) - {None})
-    from stages.chat import END_OF_TURN, ChatTokenizer
+    from stages.chat import END_OF_TURN, added_token_id
 
-    turn_end = ChatTokenizer(checkpoint_dir).token_id(END_OF_TURN)
+    turn_end = added_token_id(checkpoint_dir, END_OF_TURN)
     if turn_end is not None and turn_end not in eos_ids:
         eos_ids.append(turn_end)
     bos = gen.get("bos_token_id", geo.config.get("bos_token_id"))

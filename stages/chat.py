@@ -59,6 +59,17 @@ def _token_text(value: object) -> str:
     return "" if value is None else str(value)
 
 
+def added_token_id(checkpoint_dir: Path, token: str) -> int | None:
+    """The id of a special token, read from tokenizer.json without the tokenizers library (the
+    compile image, where the bundle is made, does not carry it)."""
+    data = json.loads((checkpoint_dir / "tokenizer.json").read_text())
+    for added in data.get("added_tokens", []):
+        if added.get("content") == token:
+            return int(added["id"])
+    vocab = (data.get("model") or {}).get("vocab")
+    return vocab.get(token) if isinstance(vocab, dict) else None
+
+
 class ChatTokenizer:
     def __init__(self, checkpoint_dir: Path):
         from tokenizers import Tokenizer

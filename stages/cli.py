@@ -8,7 +8,6 @@ Make variables become these options; G4V69_<FIELD> environment variables work to
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -88,25 +87,6 @@ def main(ctx: click.Context, preset: str, workdir: Path, **overrides: str | None
     except ConfigError as e:
         raise UserError(str(e)) from None
     ctx.obj = Context(config=cfg, workdir=workdir)
-
-
-def _not_implemented(stage: str, issue: int):
-    def command() -> None:
-        click.echo(
-            f"g4v69 {stage}: not implemented yet (tracked in issue {issue}); nothing was written",
-            err=True,
-        )
-        sys.exit(3)
-
-    command.__doc__ = f"The {stage} stage (not implemented yet)."
-    return command
-
-
-for _stage, _issue in (
-    ("push", 6),
-    ("run", 6),
-):
-    main.command(name=_stage)(_not_implemented(_stage, _issue))
 
 
 @main.command()
@@ -343,6 +323,87 @@ def verify(obj: Context, prompt: str, max_new_tokens: int) -> None:
         f"{obj.workdir / 'verify'}: {fig['bundle']} passes its checks; greedy tokens match transformers for "
         f"{fig['matching_prefix_tokens']} of {len(fig['transformers_tokens'])}, top-1 agreement "
         f"{fig['top1_agreement']:.3f}"
+    )
+
+
+@main.command(name="bench-report")
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option("--command", "command_line", default="make bench", help="the command to record")
+@click.pass_obj
+def bench_report(obj: Context, output: Path, command_line: str) -> None:
+    """Collect the stage reports of a bench run under WORKDIR into OUTPUT/<date>-<machine>.{json,md}."""
+    from stages.bench import collect, write_results
+    from stages.plan import make_plan
+
+    geo = load_geometry(obj.checkpoint_dir() / "config.json") if obj.checkpoint_dir().is_dir() else None
+    geo = geo or builtin_geometry(obj.config.model)
+    plan = {"config": obj.config.to_dict(), **make_plan(geo, obj.config).to_dict()} if geo else None
+    path, md = write_results(collect(obj.config, obj.workdir, plan), output, command_line)
+    click.echo(md.read_text())
+    click.echo(f"written: {path}, {md}")
+
+
+def _device_args(obj: Context) -> tuple[Path, str | None, str]:
+    import os
+    import shutil
+
+    bundle_dir = obj.workdir / STAGE_DIRS["bundle"]
+    if not (bundle_dir / "manifest.json").is_file():
+        raise UserError(f"{bundle_dir} holds no bundle (no manifest.json); run `make bundle` first")
+    adb = os.environ.get("G4V69_ADB") or shutil.which("adb") or "adb"
+    return bundle_dir, os.environ.get("ADB_SERIAL") or None, adb
+
+
+@main.command()
+@click.pass_obj
+def push(obj: Context) -> None:
+    """Push genie_bundle/ and the QAIRT runtime (QNN_SDK_ROOT) to /data/local/tmp/<bundle> on the phone."""
+    import os
+
+    from stages.device import DeviceError, push_bundle
+
+    bundle_dir, serial, adb = _device_args(obj)
+    sdk = os.environ.get("QNN_SDK_ROOT")
+    try:
+        fig = push_bundle(bundle_dir, Path(sdk) if sdk else None, serial, adb)
+    except DeviceError as e:
+        raise UserError(str(e)) from None
+    click.echo(
+        f"{fig['device']} ({fig['model']}): {fig['remote_dir']}: {fig['files_pushed']} files pushed, "
+        f"{fig['files_skipped']} already there, {fig['bytes_pushed'] / 1e6:.1f} MB in {fig['seconds']:.1f} s "
+        f"(QAIRT {fig['qairt_sdk']})"
+    )
+
+
+@main.command(name="run")
+@click.option("--prompt", required=True, help="the user turn; the bundle's chat template is applied")
+@click.pass_obj
+def run_(obj: Context, prompt: str) -> None:
+    """Run PROMPT on the phone with genie-t2t-run; streams the answer and reports tokens/s."""
+    import json
+
+    from stages.chat import render_chat
+    from stages.device import DeviceError, run_on_device
+
+    bundle_dir, serial, adb = _device_args(obj)
+    text = render_chat(bundle_dir, prompt)
+    genie = json.loads((bundle_dir / "genie_config.json").read_text())["dialog"]
+    bos = json.loads((bundle_dir / "tokenizer_config.json").read_text()).get("bos_token")
+    # Genie prepends the config's bos-token itself; the template's own would make it twice.
+    if "bos-token" in genie["context"] and isinstance(bos, str) and text.startswith(bos):
+        text = text[len(bos) :]
+    try:
+        fig = run_on_device(bundle_dir, text, serial, adb)
+    except DeviceError as e:
+        raise UserError(str(e)) from None
+    click.echo()
+
+    def rate(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.1f}"
+
+    click.echo(
+        f"{fig['device']}: prompt {rate(fig['prompt_tokens_per_s'])} tokens/s, "
+        f"decode {rate(fig['decode_tokens_per_s'])} tokens/s (Genie's KPIs)"
     )
 
 

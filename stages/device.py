@@ -57,6 +57,7 @@ class Manifest:
     soc: str
     files: list[dict]
     path: Path
+    genie_config: str = GENIE_CONFIG
 
 
 @dataclass
@@ -115,6 +116,7 @@ def read_manifest(bundle_dir: Path) -> Manifest:
         soc=str(data["soc"]),
         files=files,
         path=path,
+        genie_config=str(data.get("genie_config") or GENIE_CONFIG),
     )
 
 
@@ -266,6 +268,7 @@ def _devices(adb: Adb) -> list[tuple[str, str]]:
 def select_device(adb_exe: str, serial: str | None) -> Adb:
     adb = Adb.find(adb_exe, serial)
     # Real adb falls back to ANDROID_SERIAL without -s; honour it here so the choice below agrees.
+    source = "ADB_SERIAL" if serial else "ANDROID_SERIAL"
     serial = serial or os.environ.get("ANDROID_SERIAL") or None
     devices = _devices(adb)
     listing = ", ".join(f"{s} ({st})" for s, st in devices)
@@ -273,8 +276,8 @@ def select_device(adb_exe: str, serial: str | None) -> Adb:
         states = dict(devices)
         if serial not in states:
             raise DeviceError(
-                f"ADB_SERIAL={serial} is not attached; attached: {listing or 'none'}. "
-                "Set ADB_SERIAL to one of those (see `adb devices`)"
+                f"{source}={serial} is not attached; attached: {listing or 'none'}. "
+                f"Set {source} to one of those (see `adb devices`)"
             )
         chosen = (serial, states[serial])
     elif not devices:
@@ -496,7 +499,8 @@ def push_bundle(bundle_dir: Path, sdk_root: Path | None, serial: str | None = No
         disable=not todo,
     ) as bar:
         for n, t in enumerate(todo):
-            bar.set_postfix_str(Path(t.remote).name)
+            # refresh=False: a forced refresh would show the bar before its delay is up.
+            bar.set_postfix_str(Path(t.remote).name, refresh=False)
             r = conn.run("push", str(t.local), t.remote, timeout=None)
             if r.returncode != 0:
                 _raise_for_adb_error_if_gone(r, conn)
@@ -645,10 +649,10 @@ class _AnswerStream:
         )
 
 
-def genie_command(remote_dir: str, prompt_text: str) -> str:
+def genie_command(remote_dir: str, prompt_text: str, config: str = GENIE_CONFIG) -> str:
     return (
         f"cd {shlex.quote(remote_dir)} && LD_LIBRARY_PATH=. ADSP_LIBRARY_PATH=. ./{GENIE_RUN} "
-        f"-c {GENIE_CONFIG} -p {shlex.quote(prompt_text)}"
+        f"-c {shlex.quote(config)} -p {shlex.quote(prompt_text)}"
     )
 
 
@@ -667,31 +671,37 @@ def run_on_device(
     for w in device.warnings:
         print(f"warning: {w}", file=sys.stderr)
     remote_dir = f"{REMOTE_ROOT}/{manifest.name}"
-    exe, config = (shlex.quote(f"{remote_dir}/{n}") for n in (GENIE_RUN, GENIE_CONFIG))
+    exe, config = (shlex.quote(f"{remote_dir}/{n}") for n in (GENIE_RUN, manifest.genie_config))
     # Echo rather than the exit status: adb before Android 7 does not pass the status back.
     probe = conn.shell(f"test -x {exe} && test -f {config} && echo ready")
     if "ready" not in probe.stdout:
         raise DeviceError(
-            f"{remote_dir} on {conn.serial} lacks {GENIE_RUN} or {GENIE_CONFIG}; push the bundle first "
-            "(`g4v69 push`)"
+            f"{remote_dir} on {conn.serial} lacks {GENIE_RUN} or {manifest.genie_config}; push the bundle "
+            "first (`g4v69 push`)"
         )
 
     started = time.monotonic()
     stream = _AnswerStream(prompt_text, out)
     proc = subprocess.Popen(
-        conn.argv("shell", genie_command(remote_dir, prompt_text)),
+        conn.argv("shell", genie_command(remote_dir, prompt_text, manifest.genie_config)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
     )
     assert proc.stdout is not None
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    # os.read returns whatever has arrived, so tokens reach `out` as Genie prints them.
-    while block := os.read(proc.stdout.fileno(), 4096):
-        stream.feed(decoder.decode(block))
-    stream.feed(decoder.decode(b"", final=True))
-    stream.close()
-    code = proc.wait()
+    try:
+        # os.read returns whatever has arrived, so tokens reach `out` as Genie prints them.
+        while block := os.read(proc.stdout.fileno(), 4096):
+            stream.feed(decoder.decode(block))
+        stream.feed(decoder.decode(b"", final=True))
+        stream.close()
+        code = proc.wait()
+    finally:
+        # Interrupted (Ctrl-C, a failing `out`): do not leave adb behind holding the phone.
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     wall = time.monotonic() - started
     output = stream.everything
     if code != 0 or stream.state == "before":

@@ -18,7 +18,9 @@ STAGE_MODULES = {
     "export": ("torch", "transformers", "safetensors", "huggingface_hub", "onnx", "onnxscript"),
     "quantize": ("onnx", "onnxruntime", "numpy", "datasets"),
     "compile": ("onnxruntime", "onnxruntime_qnn", "qai_hub"),
-    "bundle": ("jinja2", "tokenizers"),
+    "bundle": ("jinja2", "onnxruntime_qnn"),
+    "verify": ("torch", "transformers", "onnxruntime", "tokenizers"),
+    "push/run": ("jinja2",),
 }
 QAIRT_RUNTIME_LIBS = ("libGenie.so", "libQnnHtp.so", "libQnnSystem.so")
 

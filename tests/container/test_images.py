@@ -10,6 +10,7 @@ import json
 import os
 import secrets
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import REPO, make, run
@@ -21,8 +22,8 @@ IMAGES = {
     "export": ("export packages", "import torch, transformers, executorch, onnx, onnxscript, safetensors"),
     "quant": ("quantize packages", "import onnxruntime.quantization, datasets, numpy, tokenizers"),
     "quant-rocm": ("quantize packages", "import onnxruntime.quantization, datasets, numpy, tokenizers"),
-    "compile": ("compile packages", "import onnxruntime, onnxruntime_qnn, qai_hub, onnx"),
-    "tools": ("bundle packages", "import jinja2, tokenizers"),
+    "compile": ("compile packages", "import onnxruntime, onnxruntime_qnn, qai_hub, onnx, jinja2"),
+    "tools": ("push/run packages", "import jinja2, tokenizers"),
 }
 
 
@@ -139,3 +140,40 @@ def test_canary_secret_reaches_no_layer_log_or_report(images, tmp_path):
     for f in tmp_path.rglob("*"):
         if f.is_file():
             assert canary not in f.read_text(errors="replace")
+
+
+def test_two_builds_from_the_same_lock_install_identical_files(images, base_image):
+    """Reproducible images: the same lock gives the same `pip freeze --all` and byte-identical files
+    under /opt/venv (the .pyc files are hash-based, see stage.Dockerfile)."""
+    listings = []
+    for n in (1, 2):
+        tag = f"g4v69-tools:repro-{n}"
+        built = run(
+            [
+                "docker/build-image.sh",
+                "tools",
+                base_image,
+                os.environ.get("WHEELHOUSE", str(Path.home() / ".cache" / "g4v69" / "wheelhouse")),
+            ],
+            env={"G4V69_BUILD_TAG": tag},
+            timeout=900,
+        )
+        assert built.returncode == 0, built.stderr[-2000:]
+        try:
+            r = run(
+                [
+                    "docker",
+                    "run",
+                    "--rm",
+                    tag,
+                    "sh",
+                    "-c",
+                    "pip freeze --all; cd /opt/venv && find . -type f -print0 | sort -z | xargs -0 sha256sum",
+                ]
+            )
+            assert r.returncode == 0, r.stderr[-2000:]
+            listings.append(r.stdout.splitlines())
+        finally:
+            run(["docker", "rmi", "-f", tag])
+    assert len(listings[0]) > 1000
+    assert listings[0] == listings[1], [a for a, b in zip(*listings, strict=False) if a != b][:5]

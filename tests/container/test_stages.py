@@ -59,3 +59,21 @@ def test_make_compile_tiny_in_the_compile_image(images, tmp_path):
     )
     assert hub.returncode != 0 and "needs an AI Hub API token" in hub.stderr
     assert _report(tmp_path / "compiled" / "report.json")["figures"]["backend"]["name"] == "local"
+
+
+def test_make_demo_in_containers_then_bundle_twice_is_identical(images, tmp_path):
+    """The README's first command, on a clean WORKDIR: every stage in its image, a verified bundle."""
+    r = make("demo", f"WORKDIR={tmp_path / 'a'}", timeout=1800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "greedy tokens match transformers for" in r.stdout and "bundle: " in r.stdout
+    verify = _report(tmp_path / "a" / "verify" / "report.json")["figures"]
+    assert verify["matching_prefix_tokens"] >= 16
+    # A second clean run gives the same bundle, byte for byte.
+    again = make("demo", f"WORKDIR={tmp_path / 'b'}", timeout=1800)
+    assert again.returncode == 0, again.stderr[-3000:]
+    first, second = (tmp_path / d / "genie_bundle" / "manifest.json" for d in ("a", "b"))
+    assert first.read_bytes() == second.read_bytes()
+    # So are the exported graphs and LUTs, the quantized graphs (and quality report) and the binaries.
+    for stage in ("exported", "quantized", "compiled"):
+        a, b = (_report(tmp_path / d / stage / "report.json")["outputs"] for d in ("a", "b"))
+        assert a == b and len(a) >= 4, stage

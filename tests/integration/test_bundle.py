@@ -48,7 +48,9 @@ def test_sm8450_configs_match_the_golden_files(sm8450):
     work, report = sm8450
     bundle = work / "genie_bundle"
     _golden("sm8450_genie_config.json", json.loads((bundle / "genie_config.json").read_text()))
-    _golden("sm8450_htp_backend_ext_config.json", json.loads((bundle / "htp_backend_ext_config.json").read_text()))
+    _golden(
+        "sm8450_htp_backend_ext_config.json", json.loads((bundle / "htp_backend_ext_config.json").read_text())
+    )
     ext = json.loads((bundle / "htp_backend_ext_config.json").read_text())
     assert ext["devices"][0]["soc_model"] == 36 and ext["devices"][0]["dsp_arch"] == "v69"
     assert ext["context"]["weight_sharing_enabled"] is False
@@ -62,7 +64,10 @@ def test_v73_configs_match_the_golden_files(quantized_tiny, tmp_path):
     _bundle(work, cfg)
     genie = json.loads((work / "genie_bundle" / "genie_config.json").read_text())
     _golden("sm8550_genie_config.json", genie)
-    _golden("sm8550_htp_backend_ext_config.json", json.loads((work / "genie_bundle" / "htp_backend_ext_config.json").read_text()))
+    _golden(
+        "sm8550_htp_backend_ext_config.json",
+        json.loads((work / "genie_bundle" / "htp_backend_ext_config.json").read_text()),
+    )
     assert genie["dialog"]["engine"]["model"]["binary"]["ctx-bins"] == ["part1_of_2.bin", "part2_of_2.bin"]
 
 
@@ -72,9 +77,16 @@ def test_bundle_holds_what_genie_needs_and_a_true_manifest(sm8450):
     manifest = json.loads((bundle / "manifest.json").read_text())
     names = {f["path"] for f in manifest["files"]}
     assert names == {
-        "prefill_ar16_part1_of_2.bin", "decode_ar1_part1_of_2.bin", "prefill_ar16_part2_of_2.bin",
-        "decode_ar1_part2_of_2.bin", "embedding_ufixed16.bin", "per_layer_embedding_ufixed8.bin",
-        "tokenizer.json", "tokenizer_config.json", "genie_config.json", "htp_backend_ext_config.json",
+        "prefill_ar16_part1_of_2.bin",
+        "decode_ar1_part1_of_2.bin",
+        "prefill_ar16_part2_of_2.bin",
+        "decode_ar1_part2_of_2.bin",
+        "embedding_ufixed16.bin",
+        "per_layer_embedding_ufixed8.bin",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "genie_config.json",
+        "htp_backend_ext_config.json",
     }
     assert manifest["qairt_version"].startswith("2.51.") and manifest["dsp_arch"] == "v69"
     assert manifest["checkpoint"]["model"] == "tiny" and manifest["checkpoint"]["files"]
@@ -102,7 +114,9 @@ def test_bundling_twice_gives_identical_manifests(sm8450, tmp_path):
     shutil.rmtree(again / "genie_bundle")
     shutil.rmtree(again / "compiled")
     second = _bundle(again, load_config("tiny"))
-    assert (again / "genie_bundle" / "manifest.json").read_bytes() == (work / "genie_bundle" / "manifest.json").read_bytes()
+    assert (again / "genie_bundle" / "manifest.json").read_bytes() == (
+        work / "genie_bundle" / "manifest.json"
+    ).read_bytes()
     assert second["figures"]["manifest_sha256"] == first["figures"]["manifest_sha256"]
 
 
@@ -144,7 +158,9 @@ def test_a_missing_compile_is_a_clear_error(quantized_tiny, tmp_path):
 
 def test_verify_matches_transformers_on_an_in_domain_prompt(sm8450):
     work, _ = sm8450
-    report = run_verify(load_config("tiny"), work, work / "checkpoints" / "tiny", "Return the first element of a list.")
+    report = run_verify(
+        load_config("tiny"), work, work / "checkpoints" / "tiny", "Return the first element of a list."
+    )
     fig = report["figures"]
     assert fig["matching_prefix_tokens"] >= 16
     assert fig["top1_agreement"] >= 0.95

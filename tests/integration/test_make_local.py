@@ -65,3 +65,44 @@ def test_make_compile_with_aihub_against_the_double(tmp_path):
     assert report["figures"]["backend"]["name"] == "aihub"
     assert len(json.loads((tmp_path / "compiled" / "aihub_jobs.json").read_text())["jobs"]) == 4
     assert "t0k" not in (tmp_path / "compiled" / "report.json").read_text()
+
+
+def test_make_demo_with_the_local_runner(tmp_path):
+    r = make("demo", "RUNNER=local", f"WORKDIR={tmp_path}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    fig = json.loads((tmp_path / "verify" / "report.json").read_text())["figures"]
+    assert fig["matching_prefix_tokens"] >= 16 and fig["bundle"] == "tiny-sm8450-w8a16-ctx128"
+    assert (tmp_path / "genie_bundle" / "genie_config.json").is_file()
+
+
+def test_make_push_and_run_with_the_adb_double(tmp_path):
+    """The demo bundle onto a fake phone and a prompt through a fake genie-t2t-run: the real device
+    code and Make targets, with adb and the QAIRT SDK replaced by test doubles."""
+    from tests.unit.test_device import make_sdk, phone
+
+    assert make("bundle", "PRESET=tiny", "RUNNER=local", f"WORKDIR={tmp_path}").returncode == 0
+    scenario = tmp_path / "adb.json"
+    scenario.write_text(
+        json.dumps({"devices": [phone(ro_soc_model="SM8450")], "genie": {"answer": "It is 42."}})
+    )
+    env = {
+        "G4V69_ADB": str(DOUBLES / "adb"),
+        "FAKE_ADB_STATE": str(tmp_path / "adb-state"),
+        "FAKE_ADB_SCENARIO": str(scenario),
+        "QNN_SDK_ROOT": str(make_sdk(tmp_path)),
+        "ADB_SERIAL": "",
+    }
+    pushed = make("push", "PRESET=tiny", "RUNNER=local", f"WORKDIR={tmp_path}", env=env)
+    assert pushed.returncode == 0, pushed.stdout[-2000:] + pushed.stderr[-2000:]
+    assert "/data/local/tmp/tiny-sm8450-w8a16-ctx128" in pushed.stdout and "files pushed" in pushed.stdout
+    again = make("push", "PRESET=tiny", "RUNNER=local", f"WORKDIR={tmp_path}", env=env)
+    assert " 0 files pushed" in again.stdout, again.stdout
+    ran = make("run", "PRESET=tiny", "RUNNER=local", f"WORKDIR={tmp_path}", "PROMPT=What's 6 x 7?", env=env)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    assert "It is 42." in ran.stdout and "decode" in ran.stdout and "tokens/s" in ran.stdout
+    runs = [
+        json.loads(x)
+        for x in next((tmp_path / "adb-state").rglob("genie_runs.jsonl")).read_text().splitlines()
+    ]
+    prompt = runs[-1]["prompt"]
+    assert "What's 6 x 7?" in prompt and "<|turn>" in prompt and not prompt.startswith("<bos>")

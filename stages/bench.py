@@ -1,0 +1,167 @@
+"""The scale benchmark's report: what each stage of a finished (or partly finished) run cost.
+
+`make bench` runs download, export, quantize and compile for the bench model (full E2B geometry,
+random weights) through the ordinary stage targets, so a finished stage is not redone when the
+bench is resumed, then `g4v69 bench-report` reads the stages' own report.json files and writes
+`<output>/<date>-<machine>.json` and a markdown table beside it: wall time, CPU time and peak RSS
+per stage and per graph, the bytes of every artifact, and the `g4v69 plan` figures next to the
+measured ones. No figure here is timed by the bench itself: each comes from the stage that did it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+from stages.config import PipelineConfig
+from stages.report import read_report
+
+STAGES = ("download", "export", "quantize", "compile")
+GIB = 2**30
+
+
+def _stage_dirs(cfg: PipelineConfig, workdir: Path) -> dict[str, Path]:
+    return {
+        "download": workdir / "checkpoints" / cfg.checkpoint_name,
+        "export": workdir / "exported",
+        "quantize": workdir / "quantized",
+        "compile": workdir / "compiled",
+    }
+
+
+def _machine() -> dict[str, Any]:
+    import os
+
+    mem = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return {
+        "cpus": os.cpu_count(),
+        "memory_bytes": mem,
+        "machine": platform.machine(),
+        "node": platform.node(),
+    }
+
+
+def collect(cfg: PipelineConfig, workdir: Path, plan: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Per stage and per graph costs from the stage reports under workdir (missing stages: null)."""
+    stages: dict[str, Any] = {}
+    for stage, folder in _stage_dirs(cfg, workdir).items():
+        report = read_report(folder)
+        if report is None:
+            stages[stage] = None
+            continue
+        fig = report.get("figures", {})
+        children = [b.get("peak_rss_bytes", 0) for b in fig.get("binaries", [])]
+        stages[stage] = {
+            "wall_s": report["wall_s"],
+            "cpu_s": report["cpu_s"],
+            "peak_rss_bytes": max([report["peak_rss_bytes"], *children]),
+            "output_bytes": sum(f["bytes"] for f in report["outputs"]),
+            "outputs": {f["path"]: f["bytes"] for f in report["outputs"]},
+        }
+    graphs: dict[str, dict[str, Any]] = {}
+    export = read_report(workdir / "exported")
+    for g in (export or {}).get("figures", {}).get("graphs", []):
+        graphs.setdefault(g["name"], {}).update(export_s=g.get("export_s"), onnx_bytes=g.get("bytes"))
+    quant = read_report(workdir / "quantized")
+    for g in (quant or {}).get("figures", {}).get("graphs", []):
+        graphs.setdefault(g["name"], {}).update(quantize_s=g.get("quantize_s"))
+    compiled = read_report(workdir / "compiled")
+    for b in (compiled or {}).get("figures", {}).get("binaries", []):
+        for g in b["graphs"]:
+            graphs.setdefault(g["name"], {}).update(
+                compile_s=g.get("compile_s"),
+                compile_peak_rss_bytes=b.get("peak_rss_bytes"),
+                binary_bytes=b["bytes"] if len(b["graphs"]) == 1 else None,
+            )
+    done = [s for s in ("export", "quantize", "compile") if stages.get(s)]
+    return {
+        "date": datetime.date.today().isoformat(),
+        "machine": _machine(),
+        "config": cfg.to_dict(),
+        "stages": stages,
+        "graphs": graphs,
+        "export_quantize_compile_wall_s": sum(stages[s]["wall_s"] for s in done),
+        "max_peak_rss_bytes": max((stages[s]["peak_rss_bytes"] for s in stages if stages[s]), default=0),
+        "plan": plan,
+    }
+
+
+def to_markdown(result: dict[str, Any], command: str) -> str:
+    m = result["machine"]
+    lines = [
+        f"# Bench {result['date']}: {result['config']['model']} on {m['cpus']} CPUs, "
+        f"{m['memory_bytes'] / GIB:.0f} GiB",
+        "",
+        f"Command: `{command}`",
+        "",
+        "| stage | wall | CPU | peak RSS | output |",
+        "|---|---|---|---|---|",
+    ]
+    for stage, s in result["stages"].items():
+        if s is None:
+            lines.append(f"| {stage} | not run | | | |")
+            continue
+        lines.append(
+            f"| {stage} | {s['wall_s'] / 60:.1f} min | {s['cpu_s'] / 60:.1f} min | "
+            f"{s['peak_rss_bytes'] / GIB:.1f} GiB | {s['output_bytes'] / 1e9:.2f} GB |"
+        )
+    lines += [
+        "",
+        f"Export + quantize + compile: {result['export_quantize_compile_wall_s'] / 60:.1f} min wall; "
+        f"largest peak RSS {result['max_peak_rss_bytes'] / GIB:.1f} GiB.",
+        "",
+        "| graph | export | quantize | compile | compile peak RSS | ONNX (float32) | binary |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, g in sorted(result["graphs"].items()):
+        cells = [
+            _fmt(g, "export_s", 1, "{:.0f} s"),
+            _fmt(g, "quantize_s", 1, "{:.0f} s"),
+            _fmt(g, "compile_s", 1, "{:.0f} s"),
+            _fmt(g, "compile_peak_rss_bytes", GIB, "{:.1f} GiB"),
+            _fmt(g, "onnx_bytes", 1e9, "{:.2f} GB"),
+            _fmt(g, "binary_bytes", 1e6, "{:.0f} MB"),
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    plan = result.get("plan")
+    if plan:
+        lines += ["", "Plan (`g4v69 plan --json`) beside the measured:", ""]
+        parts = plan.get("parts", [])
+        lines.append("| part | layers | planned params | planned bytes (w8) |")
+        lines.append("|---|---|---|---|")
+        for p in parts:
+            lines.append(
+                f"| {p['name']} | {', '.join(p.get('holds', []))} | {p['params'] / 1e6:.0f} M | "
+                f"{p['bytes'] / 1e9:.2f} GB |"
+            )
+        lines.append("")
+        lines.append(
+            f"Planned device memory {plan['device_bytes'] / GIB:.1f} GiB; decode ceiling "
+            f"{plan['decode_tokens_per_s_ceiling']:.1f} tokens/s."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(row: dict[str, Any], key: str, unit: float, form: str) -> str:
+    value = row.get(key)
+    return "" if value is None else form.format(value / unit)
+
+
+def write_results(result: dict[str, Any], out_dir: Path, command: str) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    m = result["machine"]
+    stem = f"{result['date']}-{m['cpus']}cpu-{round(m['memory_bytes'] / GIB)}gib"
+    path = out_dir / f"{stem}.json"
+    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    md = out_dir / f"{stem}.md"
+    md.write_text(to_markdown(result, command))
+    return path, md

@@ -1,0 +1,58 @@
+"""Reproducibility on the tiny model: results that do not depend on the machine's thread count or the
+work folder, and the bench report read back from a finished run."""
+
+from __future__ import annotations
+
+import shutil
+
+import onnxruntime as ort
+import pytest
+
+from stages.bench import collect, to_markdown
+from stages.compile import run_compile
+from stages.config import load_config
+from stages.quantize import run_quantize
+from tests.conftest import copy_workdir
+
+pytestmark = pytest.mark.slow
+
+
+def _with_threads(monkeypatch, threads: int) -> None:
+    """Every onnxruntime session (the float chain and the calibrator's) uses `threads` threads."""
+
+    class Options(ort.SessionOptions):
+        def __init__(self):
+            super().__init__()
+            self.intra_op_num_threads = threads
+
+    monkeypatch.setattr(ort, "SessionOptions", Options)
+
+
+def test_quantized_graphs_do_not_depend_on_the_thread_count(quantized_tiny, tmp_path, monkeypatch):
+    cfg = load_config("tiny")
+    hashes = []
+    for threads in (1, 2):
+        work = copy_workdir(quantized_tiny, tmp_path / f"t{threads}")
+        shutil.rmtree(work / "quantized")
+        with monkeypatch.context() as m:
+            _with_threads(m, threads)
+            report = run_quantize(cfg, work, work / "checkpoints" / "tiny")
+        hashes.append({f["path"]: f["sha256"] for f in report["outputs"] if f["path"].endswith(".onnx")})
+    assert len(hashes[0]) == 4 and hashes[0] == hashes[1]
+
+
+def test_bench_report_reads_every_stage_and_graph(quantized_tiny, tmp_path):
+    work = copy_workdir(quantized_tiny, tmp_path / "w")
+    cfg = load_config("tiny")
+    run_compile(cfg, work)
+    result = collect(cfg, work, plan=None)
+    assert all(result["stages"][s] for s in ("download", "export", "quantize", "compile"))
+    assert set(result["graphs"]) == {
+        "prefill_ar16_part1_of_2",
+        "decode_ar1_part1_of_2",
+        "prefill_ar16_part2_of_2",
+        "decode_ar1_part2_of_2",
+    }
+    assert all(g["compile_s"] is not None and g["binary_bytes"] > 0 for g in result["graphs"].values())
+    md = to_markdown(result, "make bench")
+    assert "| compile |" in md and "| prefill_ar16_part1_of_2 |" in md and "`make bench`" in md
