@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -490,6 +491,127 @@ def output_sqnr(fp_runner, q_paths: dict[str, Path], samples: list[list[int]]) -
     return out
 
 
+# ---- calibration and quantization, in two steps ----
+# onnxruntime's quantize_static holds its own copy of the model while its calibrator holds a second
+# and the calibration session a third; with the float chain's sessions feeding it, that is what
+# pushed a full-size E2B part past 16 GB. Calibrating first (the calibrator and the chain), writing the
+# ranges to onnxruntime's calibration cache, dropping both and only then quantizing from the cache
+# keeps one of those at a time. The ranges and the graph are the same as one quantize_static call.
+
+# quantize_static's extra_options names for the calibrator's settings (onnxruntime 1.31).
+CALIBRATOR_OPTIONS = {
+    "CalibTensorRangeSymmetric": "symmetric",
+    "CalibMovingAverage": "moving_average",
+    "CalibMovingAverageConstant": "averaging_constant",
+    "CalibMaxIntermediateOutputs": "max_intermediate_outputs",
+    "CalibPercentile": "percentile",
+}
+
+
+def calibrate(src: Path, qcfg, ranges_file: Path, scratch: Path) -> None:
+    """Run onnxruntime's calibrator over qcfg's data reader and save the ranges to ranges_file."""
+    from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
+
+    options = qcfg.extra_options or {}
+    calibrator = create_calibrator(
+        src,
+        qcfg.op_types_to_quantize,
+        augmented_model_path=str(scratch / "augmented.onnx"),
+        calibrate_method=qcfg.calibrate_method,
+        use_external_data_format=qcfg.use_external_data_format,
+        providers=qcfg.calibration_providers,
+        extra_options={key: options[name] for name, key in CALIBRATOR_OPTIONS.items() if name in options},
+    )
+    # The calibrator keeps the graph it loaded (weights included: 2.4 GB for an E2B part) after
+    # building its augmented copy and session from it, and reads nothing from it afterwards. Clearing
+    # fields frees nothing (protobuf's arena lives as long as the message), so drop the message.
+    calibrator.model = None
+    reader = qcfg.calibration_data_reader
+    stride = options.get("CalibStridedMinMax")
+    if stride:
+        for start in range(0, len(reader), stride):
+            reader.set_range(start_index=start, end_index=start + stride)
+            calibrator.collect_data(reader)
+    else:
+        calibrator.collect_data(reader)
+    save_tensors_data(calibrator.compute_data(), ranges_file)
+
+
+def quantize_with_ranges(src: Path, dest: Path, qcfg, ranges_file: Path) -> None:
+    """quantize_static with qcfg's settings and the saved ranges (no calibration run)."""
+    from onnxruntime.quantization import quantize_static
+
+    quantize_static(
+        str(src),
+        str(dest),
+        None,
+        calibrate_method=qcfg.calibrate_method,
+        quant_format=qcfg.quant_format,
+        activation_type=qcfg.activation_type,
+        weight_type=qcfg.weight_type,
+        op_types_to_quantize=qcfg.op_types_to_quantize,
+        nodes_to_quantize=qcfg.nodes_to_quantize,
+        nodes_to_exclude=qcfg.nodes_to_exclude,
+        per_channel=qcfg.per_channel,
+        reduce_range=qcfg.reduce_range,
+        use_external_data_format=qcfg.use_external_data_format,
+        extra_options=qcfg.extra_options,
+        calibration_cache_path=ranges_file,
+    )
+
+
+@dataclass
+class GraphQuantSetup:
+    qcfg: Any  # onnxruntime's StaticQuantConfig, its data reader streaming from the float chain
+    analysis: GraphAnalysis
+    reader: _FeedsReader
+    stride: int | None
+
+
+def graph_quant_config(
+    cfg: PipelineConfig,
+    runner,
+    spec: GraphSpec,
+    src: Path,
+    ranges: CalibratedRanges,
+    embedding_lut: dict[str, Any] | None,
+    samples: list[list[int]],
+    decode_steps: int,
+    calibration_providers: list[str] | None = None,
+    method: str = "minmax",
+    stride: int | None = None,
+) -> GraphQuantSetup:
+    """onnxruntime's QNN QDQ configuration of one graph under the config's rules."""
+    import onnx
+    from onnxruntime.quantization import QuantType
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    from stages.calibration import calls, graph_feeds
+
+    model = onnx.load(str(src), load_external_data=False)
+    analysis = analyse(model)
+    io_names = {t.name for t in (*model.graph.input, *model.graph.output)}
+    overrides, excluded = quant_settings(cfg, analysis, ranges, io_names, embedding_lut)
+    expected = calls(samples, spec.role, runner.prefill_ar, decode_steps)
+    reader = _FeedsReader(graph_feeds(runner, samples, spec.role, spec.part, decode_steps), expected)
+    # onnxruntime wants the call count divisible by the stride: the largest divisor up to it.
+    graph_stride = max(d for d in range(1, stride + 1) if expected % d == 0) if stride else None
+    qcfg = get_qnn_qdq_config(
+        str(src),
+        reader,
+        activation_type=QuantType.QUInt16,
+        weight_type=QuantType.QInt8,
+        init_overrides=overrides,
+        # Converts would make Q (the MatMul's first operand) 8-bit like K; 16x8 is what v69 runs.
+        add_qtype_converts=False,
+        nodes_to_exclude=excluded or None,
+        calibration_providers=calibration_providers,
+        calibrate_method=CALIBRATION_METHODS[method](),
+        stride=graph_stride,
+    )
+    return GraphQuantSetup(qcfg, analysis, reader, graph_stride)
+
+
 # ---- the stage ----
 @dataclass
 class QuantizedGraphs:
@@ -511,11 +633,8 @@ def quantize_graphs(
     stride: int | None = None,
 ) -> QuantizedGraphs:
     import onnx
-    from onnxruntime.quantization import QuantType, quantize
-    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
     from tqdm import tqdm
 
-    from stages.calibration import calls, graph_feeds
     from stages.runner import HostRunner
 
     runner = HostRunner.from_export(export_dir, luts=True)
@@ -528,30 +647,29 @@ def quantize_graphs(
     )
     graphs = [sp for role in runner.graphs for sp in runner.graphs[role]]
     for spec, src in tqdm(graphs, desc=f"quantize ({cfg.ple_policy})", unit="graph"):
-        model = onnx.load(str(src), load_external_data=False)
-        analysis = analyse(model)
-        io_names = {t.name for t in (*model.graph.input, *model.graph.output)}
-        overrides, excluded = quant_settings(cfg, analysis, ranges, io_names, embedding_lut)
-        expected = calls(samples, spec.role, runner.prefill_ar, decode_steps)
-        reader = _FeedsReader(graph_feeds(runner, samples, spec.role, spec.part, decode_steps), expected)
-        # onnxruntime wants the call count divisible by the stride: the largest divisor up to it.
-        graph_stride = max(d for d in range(1, stride + 1) if expected % d == 0) if stride else None
-        qcfg = get_qnn_qdq_config(
-            str(src),
-            reader,
-            activation_type=QuantType.QUInt16,
-            weight_type=QuantType.QInt8,
-            init_overrides=overrides,
-            # Converts would make Q (the MatMul's first operand) 8-bit like K; 16x8 is what v69 runs.
-            add_qtype_converts=False,
-            nodes_to_exclude=excluded or None,
-            calibration_providers=calibration_providers,
-            calibrate_method=CALIBRATION_METHODS[method](),
-            stride=graph_stride,
+        setup = graph_quant_config(
+            cfg,
+            runner,
+            spec,
+            src,
+            ranges,
+            embedding_lut,
+            samples,
+            decode_steps,
+            calibration_providers,
+            method,
+            stride,
         )
+        qcfg, analysis, reader = setup.qcfg, setup.analysis, setup.reader
         dest = out_dir / qdq_file_name(spec.name)
         t0 = time.perf_counter()
-        quantize(str(src), str(dest), qcfg)
+        with tempfile.TemporaryDirectory(prefix="g4v69-calibration-") as tmp:
+            ranges_file = Path(tmp) / "ranges.json"
+            calibrate(src, qcfg, ranges_file, Path(tmp))
+            # The float chain's sessions fed the calibration; the quantizer needs none of them.
+            runner.release("prefill")
+            runner.release("decode")
+            quantize_with_ranges(src, dest, qcfg, ranges_file)
         checked = audit(cfg, onnx.load(str(dest), load_external_data=False), analysis)
         result.problems += [f"{spec.name}: {p}" for p in checked["problems"]]
         result.paths[spec.name] = dest
@@ -560,7 +678,7 @@ def quantize_graphs(
                 "name": spec.name,
                 "qdq_onnx": dest.name,
                 "calibration_calls": reader.count,
-                "calibration_stride": graph_stride,
+                "calibration_stride": setup.stride,
                 "quantize_s": round(time.perf_counter() - t0, 3),
                 "kv_layers": sorted(f"{k}_{layer}" for k, layer in analysis.kv_groups),
                 "audit": checked,

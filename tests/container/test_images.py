@@ -145,6 +145,7 @@ def test_canary_secret_reaches_no_layer_log_or_report(images, tmp_path):
 def test_two_builds_from_the_same_lock_install_identical_files(images, base_image):
     """Reproducible images: the same lock gives the same `pip freeze --all` and byte-identical files
     under /opt/venv (the .pyc files are hash-based, see stage.Dockerfile)."""
+    base_ref = make("-s", "print-BASE_REF").stdout.strip()  # BASE_IMAGE=debootstrap names a tag
     listings = []
     for n in (1, 2):
         tag = f"g4v69-tools:repro-{n}"
@@ -152,7 +153,7 @@ def test_two_builds_from_the_same_lock_install_identical_files(images, base_imag
             [
                 "docker/build-image.sh",
                 "tools",
-                base_image,
+                base_ref,
                 os.environ.get("WHEELHOUSE", str(Path.home() / ".cache" / "g4v69" / "wheelhouse")),
             ],
             env={"G4V69_BUILD_TAG": tag},

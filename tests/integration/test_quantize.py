@@ -160,3 +160,39 @@ def test_parquet_calibration_and_the_entropy_method(exported, tmp_path):
         assert g["calibration_calls"] == calls and g["calibration_stride"] == 4
     # Entropy clips outliers: a bit below MinMax on this model, still close to the float chain.
     assert report["figures"]["quality"]["float16"]["top1_agreement"] > 0.85
+
+
+@pytest.mark.parametrize("method, stride", [("minmax", None), ("entropy", 4)])
+def test_two_step_quantize_equals_onnxruntimes_one_call(exported, tmp_path, method, stride):
+    """The stage calibrates, drops the calibrator and the float chain, then quantizes from the saved
+    ranges (that is what keeps a full-size part under 16 GB); the graph must be the one onnxruntime's
+    single quantize() call makes from the same feeds."""
+    from onnxruntime.quantization import quantize
+
+    from stages.calibration import load_texts, token_samples
+    from stages.chat import ChatTokenizer
+    from stages.quantize import calibrate, calibrated_ranges, graph_quant_config, quantize_with_ranges
+    from stages.report import read_report
+
+    cfg = load_config("tiny")
+    tok = ChatTokenizer(exported / "checkpoints" / "tiny")
+    samples = token_samples(load_texts(cfg, "calibration"), tok.encode, 2, 2, 128)
+    lut = read_report(exported / "exported")["figures"]["luts"]["embedding"]
+    results = []
+    for two_step in (False, True):
+        runner = HostRunner.from_export(exported / "exported", luts=True)
+        ranges = calibrated_ranges(runner, samples)
+        spec, src = runner.graphs["decode"][1]  # a part with KV overrides and a boundary tensor
+        setup = graph_quant_config(
+            cfg, runner, spec, src, ranges, lut, samples, 16, method=method, stride=stride
+        )
+        dest = tmp_path / f"{two_step}" / "graph.qdq.onnx"
+        dest.parent.mkdir()
+        if two_step:
+            calibrate(src, setup.qcfg, tmp_path / "ranges.json", tmp_path)
+            quantize_with_ranges(src, dest, setup.qcfg, tmp_path / "ranges.json")
+        else:
+            quantize(str(src), str(dest), setup.qcfg)
+        assert setup.reader.count == 2 * 16
+        results.append(sorted((p.name, p.read_bytes()) for p in dest.parent.iterdir()))
+    assert results[0] == results[1]
