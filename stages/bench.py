@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.config import PipelineConfig
-from stages.report import read_report
+from stages.report import proc_field_bytes, read_report
 
 STAGES = ("download", "export", "quantize", "compile")
 GIB = 2**30
@@ -35,13 +35,7 @@ def _stage_dirs(cfg: PipelineConfig, workdir: Path) -> dict[str, Path]:
 def _machine() -> dict[str, Any]:
     import os
 
-    mem = 0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem = int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    mem = proc_field_bytes("/proc/meminfo", "MemTotal") or 0
     return {
         "cpus": os.cpu_count(),
         "memory_bytes": mem,

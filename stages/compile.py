@@ -37,7 +37,14 @@ from stages.config import PipelineConfig, stage_fields
 from stages.contract import CACHE_PREFIX, HIDDEN_PREFIX, KVSHARE_PREFIX, PER_LAYER_EMBEDS
 from stages.graphs import Binary, binary_layout, qdq_file_name
 from stages.plan import CONTEXT_LIMIT_BYTES
-from stages.report import REPORT_NAME, read_report, sha256_file, stage_output
+from stages.report import (
+    REPORT_NAME,
+    proc_field_bytes,
+    process_peak_rss_bytes,
+    read_report,
+    sha256_file,
+    stage_output,
+)
 from stages.soc import Soc
 
 ONNX_TYPES = {
@@ -266,7 +273,6 @@ def compile_local(
 
     `graphs` is [(graph name, prepared .onnx path)]. Returns the binary's figures.
     """
-    import resource
 
     import onnx
     import onnxruntime as ort
@@ -345,7 +351,7 @@ def compile_local(
     os.replace(work / bins.pop(), Path(out_dir) / binary_file)
     shutil.rmtree(work)
     figures["compile_s"] = round(time.perf_counter() - started, 3)
-    figures["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    figures["peak_rss_bytes"] = process_peak_rss_bytes()
     return figures
 
 
@@ -376,13 +382,7 @@ def parallel_compiles(binary_bytes: list[int], cpus: int | None = None) -> int:
 
 
 def available_memory_bytes() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
+    return proc_field_bytes("/proc/meminfo", "MemAvailable") or 4 << 30
 
 
 # ---- checks on a finished binary ----

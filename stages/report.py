@@ -88,6 +88,27 @@ def peak_rss_bytes() -> int:
     return max(own, children) * scale
 
 
+def proc_field_bytes(proc_file: str, key: str) -> int | None:
+    """A `Key:  N kB` line of a Linux /proc file (meminfo, self/status) in bytes; None elsewhere."""
+    try:
+        for line in Path(proc_file).read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def process_peak_rss_bytes() -> int:
+    """This process's own peak resident set. On Linux from VmHWM, because ru_maxrss of a process
+    started by fork + exec (multiprocessing's spawn) starts at its parent's RSS at the fork, which
+    made every compile worker report the compile stage's own peak."""
+    hwm = proc_field_bytes("/proc/self/status", "VmHWM")
+    if hwm is not None:
+        return hwm
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
 def redact(value: Any) -> Any:
     """Replace any secret's value wherever it appears in a report-bound structure."""
     secrets = [os.environ[k] for k in SECRET_ENV if os.environ.get(k)]

@@ -52,3 +52,27 @@ def test_secrets_never_reach_a_report(tmp_path, monkeypatch):
     text = (out / "report.json").read_text()
     assert "hf_canary_report_987" not in text and "<redacted>" in text
     json.loads(text)
+
+
+def _child_peak() -> int:
+    from stages.report import process_peak_rss_bytes
+
+    return process_peak_rss_bytes()
+
+
+def test_a_spawned_workers_peak_is_its_own_not_its_parents():
+    """Compile workers are spawned (fork + exec); their ru_maxrss starts at the parent's RSS, which
+    once made every binary report the stage's 6.7 GiB peak."""
+    import sys
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    import numpy as np
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("VmHWM is Linux's")
+    ballast = np.ones(400 * 2**20, dtype=np.uint8)  # 400 MiB resident in the parent
+    with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as pool:
+        child = pool.submit(_child_peak).result()
+    assert ballast.sum() == ballast.size
+    assert child < 300 * 2**20, child
