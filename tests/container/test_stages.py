@@ -77,3 +77,14 @@ def test_make_demo_in_containers_then_bundle_twice_is_identical(images, tmp_path
     for stage in ("exported", "quantized", "compiled"):
         a, b = (_report(tmp_path / d / stage / "report.json")["outputs"] for d in ("a", "b"))
         assert a == b and len(a) >= 4, stage
+    # The venv (RUNNER=local) makes the same bundle files; its manifest differs only in the tool
+    # versions it records (the venv's own, not the images').
+    local = make("demo", "RUNNER=local", f"WORKDIR={tmp_path / 'c'}", timeout=1800)
+    assert local.returncode == 0, local.stderr[-3000:]
+    image_manifest, local_manifest = (
+        json.loads((tmp_path / d / "genie_bundle" / "manifest.json").read_text()) for d in ("a", "c")
+    )
+    assert image_manifest["files"] == local_manifest["files"] and len(local_manifest["files"]) >= 8
+    for manifest in (image_manifest, local_manifest):
+        manifest.pop("tool_versions")
+    assert image_manifest == local_manifest

@@ -172,25 +172,18 @@ def test_kill_while_waiting_then_rerun_submits_nothing_twice(fake_hub, tmp_path,
     ledger = json.loads((tmp_path / "ledger.json").read_text())
     assert {j["status"] for j in ledger["jobs"].values()} == {"SUBMITTED"}
     fake_hub.scenario(devices=fake_hub_devices(), polls_to_finish=1)  # now they finish
-    figures, _ = compile_aihub(
-        cfg,
-        binary_layout(cfg),
-        {p.stem: p for p in tmp_path.glob("*.onnx")},
-        tmp_path / "out",
-        tmp_path / "ledger.json",
-        fake_hub,
-    )
+
+    def rerun():
+        prepared = {p.stem: p for p in tmp_path.glob("*.onnx")}
+        return compile_aihub(
+            cfg, binary_layout(cfg), prepared, tmp_path / "out", tmp_path / "ledger.json", fake_hub
+        )
+
+    figures, _ = rerun()
     assert len(fake_hub.calls("submit_compile_job")) == 4 and len(fake_hub.calls("upload_model")) == 4
     assert len(figures) == 4 and all((tmp_path / "out" / f["file"]).is_file() for f in figures)
     # A third run finds everything finished and only downloads.
-    compile_aihub(
-        cfg,
-        binary_layout(cfg),
-        {p.stem: p for p in tmp_path.glob("*.onnx")},
-        tmp_path / "out",
-        tmp_path / "ledger.json",
-        fake_hub,
-    )
+    rerun()
     assert len(fake_hub.calls("submit_compile_job")) == 4
 
 
