@@ -1,0 +1,121 @@
+"""Tensor encodings in QNN's terms, and the rule by which Genie feeds a graph input from a LUT.
+
+QNN writes a fixed-point encoding as a datatype (`ufixed8`, `ufixed16`, `sfixed8`, `sfixed16`), a
+scale and an offset with real = (q + offset) * scale, so QNN's offset is minus ONNX's zero point.
+Genie's LUT sections (`embedding`, `perlayer-embedding`) use the same three fields.
+
+How Genie moves LUT rows into a graph input (read in Genie's public `qualla` source: the dialog's
+`calculateRequantEncodings`, `m_t2eCallbacks` and `requantEmbedding`; FACTS.md s.3):
+- the LUT's datatype, scale and offset equal the input's: the rows are copied byte for byte;
+- both fixed-point, 8 or 16 bit, same signedness: each value is requantized into the input's encoding;
+- float32 LUT into a float32 input: copied;
+- anything else (in particular a fixed-point LUT into a float input): Genie has no path. Qualcomm's
+  own Gemma 4 bundle notes that such a mismatch does not error on the phone, it produces nonsense, so
+  the bundle stage refuses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # numpy is imported where arrays are handled: the tools image has no numpy
+    import numpy as np
+
+FLOAT_TYPES = {"float32": "float32", "float16": "float16"}
+FIXED_TYPES = {"ufixed8": "uint8", "ufixed16": "uint16", "sfixed8": "int8", "sfixed16": "int16"}
+BITS = {"ufixed8": 8, "ufixed16": 16, "sfixed8": 8, "sfixed16": 16, "float16": 16, "float32": 32}
+# ONNX tensor element types (onnx.TensorProto) of quantized graph I/O, by QNN datatype.
+ONNX_ELEM_TYPE = {"ufixed8": 2, "sfixed8": 3, "ufixed16": 4, "sfixed16": 5, "float32": 1, "float16": 10}
+COPY = "copy"
+REQUANTIZE = "requantize"
+
+
+class EncodingError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Encoding:
+    datatype: str
+    scale: float = 1.0
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.datatype not in FIXED_TYPES and self.datatype not in FLOAT_TYPES:
+            raise EncodingError(f"unknown datatype {self.datatype!r}")
+
+    @property
+    def is_fixed(self) -> bool:
+        return self.datatype in FIXED_TYPES
+
+    @property
+    def signed(self) -> bool:
+        return self.datatype.startswith("s")
+
+    @property
+    def bits(self) -> int:
+        return BITS[self.datatype]
+
+    @property
+    def numpy_dtype(self) -> str:
+        return FIXED_TYPES.get(self.datatype) or FLOAT_TYPES[self.datatype]
+
+    @staticmethod
+    def from_onnx(elem_type: int, scale: float | None = None, zero_point: int | None = None) -> Encoding:
+        """An ONNX tensor type (+ its Q/DQ scale and zero point for quantized types) in QNN's terms."""
+        datatype = next((k for k, v in ONNX_ELEM_TYPE.items() if v == elem_type), None)
+        if datatype is None:
+            raise EncodingError(f"ONNX element type {elem_type} has no QNN datatype")
+        if datatype in FLOAT_TYPES:
+            return Encoding(datatype)
+        return Encoding(datatype, float(scale), -int(zero_point or 0))
+
+    def describe(self) -> str:
+        if not self.is_fixed:
+            return self.datatype
+        return f"{self.datatype} (scale {self.scale:.9g}, offset {self.offset})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"datatype": self.datatype, "scale": self.scale, "offset": self.offset}
+
+    def dequantize(self, q: np.ndarray) -> np.ndarray:
+        import numpy as np
+
+        if not self.is_fixed:
+            return np.asarray(q, dtype=np.float32)
+        return ((np.asarray(q, dtype=np.float32) + np.float32(self.offset)) * np.float32(self.scale)).astype(
+            np.float32
+        )
+
+    def quantize(self, x: np.ndarray) -> np.ndarray:
+        import numpy as np
+
+        if not self.is_fixed:
+            return np.asarray(x, dtype=self.numpy_dtype)
+        info = np.iinfo(self.numpy_dtype)
+        q = np.rint(np.asarray(x, dtype=np.float32) / np.float32(self.scale)) - self.offset
+        return np.clip(q, info.min, info.max).astype(self.numpy_dtype)
+
+
+def feed_mode(lut: Encoding, graph_input: Encoding) -> str | None:
+    """How Genie fills `graph_input` from rows of `lut`: COPY, REQUANTIZE, or None (it cannot)."""
+    if lut == graph_input or (not lut.is_fixed and lut.datatype == graph_input.datatype == "float32"):
+        return COPY
+    if lut.is_fixed and graph_input.is_fixed and lut.signed == graph_input.signed:
+        return REQUANTIZE
+    return None
+
+
+def feed(rows: np.ndarray, lut: Encoding, graph_input: Encoding) -> np.ndarray:
+    """The values Genie writes into `graph_input` for LUT `rows` (raw LUT values)."""
+    import numpy as np
+
+    mode = feed_mode(lut, graph_input)
+    if mode is None:
+        raise EncodingError(
+            f"Genie cannot feed a {graph_input.describe()} graph input from a {lut.describe()} LUT"
+        )
+    if mode == COPY:
+        return np.asarray(rows, dtype=graph_input.numpy_dtype)
+    return graph_input.quantize(lut.dequantize(rows))
