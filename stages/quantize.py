@@ -167,11 +167,14 @@ def analyse(model) -> GraphAnalysis:
 class _FeedsReader:
     """An onnxruntime CalibrationDataReader over a stream of feeds."""
 
-    def __init__(self, feeds: Iterator[dict[str, np.ndarray]], expected: int):
+    def __init__(self, feeds: Iterator[dict[str, np.ndarray]], expected: int, desc: str = "calibrate"):
+        from tqdm import tqdm
+
         self.feeds = feeds
         self.expected = expected  # onnxruntime's strided calibrators ask for len()
         self.count = 0
         self.budget: int | None = None
+        self.progress = tqdm(total=expected, desc=desc, unit="call", leave=False)
 
     def __len__(self) -> int:
         return self.expected
@@ -188,6 +191,9 @@ class _FeedsReader:
         item = next(self.feeds, None)
         if item is not None:
             self.count += 1
+            self.progress.update()
+        else:
+            self.progress.close()
         return item
 
 
@@ -225,9 +231,11 @@ def calibrated_ranges(runner, samples: list[list[int]]) -> CalibratedRanges:
             elif BOUNDARY_TENSOR.match(name):
                 widen(boundary, name, value)
 
+    from tqdm import tqdm
+
     runner.observer = observe
     try:
-        for sample in samples:
+        for sample in tqdm(samples, desc="calibrate KV and part ranges", unit="sample", leave=False):
             runner.reset()
             runner.prefill(sample)
     finally:
@@ -398,21 +406,34 @@ def chain_logits(runner, samples: list[list[int]], decode_steps: int) -> list[np
     """Teacher-forced logits for every position but the last of each sample: its beginning through
     the prefill graphs, the rest as decode steps. All prefills run first and their cache states are
     kept, so prefill and decode graphs (each a full copy of the weights) are never loaded together."""
+    from tqdm import tqdm
+
     from stages.calibration import decode_split
 
     use_decode = "decode" in runner.graphs
+    splits = [decode_split(s, decode_steps if use_decode else 0) for s in samples]
+    progress = tqdm(
+        total=len(samples) + sum(max(len(tail) - 1, 0) for _, tail in splits),
+        desc="evaluate",
+        unit="call",
+        leave=False,
+    )
     heads = []
-    for sample in samples:
-        head, tail = decode_split(sample, decode_steps if use_decode else 0)
+    for head, tail in splits:
         runner.reset()
         heads.append((runner.prefill(head), runner.snapshot(), tail))
+        progress.update()
     runner.release("prefill")
     out = []
     for sample, (logits, state, tail) in zip(samples, heads, strict=True):
         runner.restore(state)
-        rows = [logits] + [runner.step([tok]) for tok in tail[:-1]]
+        rows = [logits]
+        for tok in tail[:-1]:
+            rows.append(runner.step([tok]))
+            progress.update()
         out.append(np.concatenate(rows)[: len(sample) - 1])
     runner.release("decode")
+    progress.close()
     return out
 
 
@@ -451,9 +472,13 @@ def output_sqnr(fp_runner, q_paths: dict[str, Path], samples: list[list[int]]) -
     is loaded beside it."""
     import onnxruntime as ort
 
+    from stages.runner import session_options
+
     out: dict[str, dict[str, float]] = {}
     for spec, _ in fp_runner.graphs["prefill"]:
-        session = ort.InferenceSession(str(q_paths[spec.name]), providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(
+            str(q_paths[spec.name]), session_options(fold_weights=True), providers=["CPUExecutionProvider"]
+        )
         signal: dict[str, float] = defaultdict(float)
         noise: dict[str, float] = defaultdict(float)
 
@@ -593,7 +618,9 @@ def graph_quant_config(
     io_names = {t.name for t in (*model.graph.input, *model.graph.output)}
     overrides, excluded = quant_settings(cfg, analysis, ranges, io_names, embedding_lut)
     expected = calls(samples, spec.role, runner.prefill_ar, decode_steps)
-    reader = _FeedsReader(graph_feeds(runner, samples, spec.role, spec.part, decode_steps), expected)
+    reader = _FeedsReader(
+        graph_feeds(runner, samples, spec.role, spec.part, decode_steps), expected, f"calibrate {spec.name}"
+    )
     # onnxruntime wants the call count divisible by the stride: the largest divisor up to it.
     graph_stride = max(d for d in range(1, stride + 1) if expected % d == 0) if stride else None
     qcfg = get_qnn_qdq_config(
@@ -691,7 +718,9 @@ def _quality(cfg, export_dir: Path, q: QuantizedGraphs, eval_samples, decode_ste
     from stages.runner import HostRunner
 
     fp = HostRunner.from_export(export_dir, luts=True)
-    quantized = HostRunner.from_export(export_dir, luts=True, graph_dir=next(iter(q.paths.values())).parent)
+    quantized = HostRunner.from_export(
+        export_dir, luts=True, graph_dir=next(iter(q.paths.values())).parent, fold_weights=True
+    )
     chains = compare_chains(fp, quantized, eval_samples, decode_steps)
     prefill = {name: p for name, p in q.paths.items() if name.startswith("prefill")}
     return {**chains, "sqnr_db": output_sqnr(fp, prefill, eval_samples[:1])}

@@ -196,3 +196,27 @@ def test_two_step_quantize_equals_onnxruntimes_one_call(exported, tmp_path, meth
         assert setup.reader.count == 2 * 16
         results.append(sorted((p.name, p.read_bytes()) for p in dest.parent.iterdir()))
     assert results[0] == results[1]
+
+
+def test_folded_weights_give_the_evaluation_bit_identical_logits(sm8450):
+    """The quality evaluation folds every weight's DequantizeLinear once at load (issue 15: an hour
+    of E2B evaluation was onnxruntime dequantizing int8 weights on every decode call). The logits of
+    the quantized chain, prefill and decode, must be the same floats as with the DQs left in."""
+    import numpy as np
+
+    from stages.calibration import load_texts
+    from stages.chat import ChatTokenizer
+    from stages.quantize import chain_logits
+
+    work, _ = sm8450
+    cfg = load_config("tiny")
+    tok = ChatTokenizer(work / "checkpoints" / "tiny")
+    samples = [tok.encode(t)[:40] for t in load_texts(cfg, "heldout", None)[:2]]
+    got = {}
+    for fold in (False, True):
+        runner = HostRunner.from_export(
+            work / "exported", luts=True, graph_dir=work / "quantized", fold_weights=fold
+        )
+        got[fold] = chain_logits(runner, samples, decode_steps=16)
+    for plain, folded in zip(got[False], got[True], strict=True):
+        assert plain.shape == folded.shape and np.array_equal(plain, folded)
