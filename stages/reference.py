@@ -41,7 +41,7 @@ def transformers_model(checkpoint_dir: Path) -> Any:
     missing = sorted(k for k in own if k not in state and k != "lm_head.weight")
     if wrong or missing:
         if wrong:
-            what = f"tensors of the wrong shape: {', '.join(wrong[:3])}"
+            what = f"tensors of the wrong shape: {', '.join(sorted(wrong)[:3])}"
         else:
             what = (
                 f"tensors missing: {', '.join(ckpt.prefix + k.removeprefix('model.') for k in missing[:5])}"
