@@ -193,6 +193,6 @@ def test_a_broken_generation_config_is_named(tmp_path, bad):
         stop_token_ids(ckpt)
 
 
-def test_tiny_layers_keep_their_types():
+def test_a_last_sliding_layer_becomes_full_as_in_transformers():
     geo = geometry_from_config(FORMS["last layer sliding"])
     assert geo.layers[-1].attention == FULL and geo.layers[-1].head_dim == 32
