@@ -68,20 +68,14 @@ def render_context(
     compiled: dict[str, Any],
 ) -> dict[str, Any]:
     """Everything the two templates print, derived; nothing here is a hand-copied number."""
-    from stages.checkpoint import Checkpoint
+    from stages.checkpoint import Checkpoint, stop_token_ids
 
     geo = Checkpoint(checkpoint_dir).geometry
     soc = cfg.soc_info
     io = _io(compiled)
     gen_path = checkpoint_dir / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-    eos = gen.get("eos_token_id", geo.config.get("eos_token_id"))
-    eos_ids = sorted(set(eos if isinstance(eos, list) else [eos]) - {None})
-    from stages.chat import END_OF_TURN, added_token_id
-
-    turn_end = added_token_id(checkpoint_dir, END_OF_TURN)
-    if turn_end is not None and turn_end not in eos_ids:
-        eos_ids.append(turn_end)
+    eos_ids = stop_token_ids(checkpoint_dir)
     bos = gen.get("bos_token_id", geo.config.get("bos_token_id"))
     pad = gen.get("pad_token_id", geo.config.get("pad_token_id", 0))
     logits = _first(io, "outputs", "logits")
