@@ -37,6 +37,7 @@ from stages.config import PipelineConfig, stage_fields
 from stages.contract import CACHE_PREFIX, HIDDEN_PREFIX, KVSHARE_PREFIX, PER_LAYER_EMBEDS
 from stages.graphs import Binary, binary_layout, qdq_file_name
 from stages.plan import CONTEXT_LIMIT_BYTES
+from stages.quiet import call_without_native_noise
 from stages.report import (
     REPORT_NAME,
     proc_field_bytes,
@@ -523,6 +524,7 @@ def _compile_all_local(soc: Soc, layout: list[Binary], paths: dict[str, Path], o
     ) as pool:
         futures = {
             pool.submit(
+                call_without_native_noise,
                 compile_local,
                 soc.soc_model,
                 soc.htp_arch,
