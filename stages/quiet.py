@@ -29,15 +29,6 @@ from typing import Any
 NATIVE_NOISE = (b"# LIBNATIVE: No alternate configuration present in libnative_tls.conf",)
 
 
-class _DropKnown(logging.Filter):
-    def __init__(self, keep: Callable[[logging.LogRecord], bool]):
-        super().__init__()
-        self.keep = keep
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.keep(record)
-
-
 def _not_torchao_enum(record: logging.LogRecord) -> bool:
     cls = record.args[0] if isinstance(record.args, tuple) and record.args else None
     return not (
@@ -51,15 +42,13 @@ def _not_onnxruntime_preprocess_advice(record: logging.LogRecord) -> bool:
     return not (record.pathname.endswith(quantize_py) and str(record.msg).startswith("Please consider"))
 
 
-_FILTERS = {
-    "torch.utils._pytree": _DropKnown(_not_torchao_enum),
-    "": _DropKnown(_not_onnxruntime_preprocess_advice),
-}
+# Logger name -> a filter (a callable: false drops the record).
+_FILTERS = {"torch.utils._pytree": _not_torchao_enum, "": _not_onnxruntime_preprocess_advice}
 
 
 def quiet_libraries() -> None:
     """Called once where the CLI starts, before any stage imports torch, transformers or onnxruntime."""
-    # torchao logs only warnings about its optional kernels at import; errors still show.
+    # Nothing here uses torchao; its warnings are about its optional kernels at import. Errors still show.
     logging.getLogger("torchao").setLevel(logging.ERROR)
     for name, flt in _FILTERS.items():
         logger = logging.getLogger(name)
