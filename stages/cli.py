@@ -26,6 +26,7 @@ from stages.config import (
 )
 from stages.geometry import GeometryError, builtin_geometry, load_geometry
 from stages.graphs import PartitionError
+from stages.quiet import quiet_libraries
 from stages.report import write_json_atomic
 
 STAGE_DIRS = {
@@ -82,6 +83,7 @@ def main(ctx: click.Context, preset: str, workdir: Path, **overrides: str | None
     """Gemma 4 E2B -> QNN context binaries for Hexagon v69 -> Genie bundle."""
     if ctx.resilient_parsing:
         return
+    quiet_libraries()
     try:
         cfg = load_config(preset, overrides)
     except ConfigError as e:

@@ -39,6 +39,7 @@ from stages.contract import CACHE_PREFIX
 from stages.encoding import shared_tensor_mismatches
 from stages.graphs import Binary, binary_layout, qdq_file_name
 from stages.plan import CONTEXT_LIMIT_BYTES
+from stages.quiet import call_without_native_noise
 from stages.report import (
     REPORT_NAME,
     proc_field_bytes,
@@ -513,6 +514,7 @@ def _compile_all_local(soc: Soc, layout: list[Binary], paths: dict[str, Path], o
     ) as pool:
         futures = {
             pool.submit(
+                call_without_native_noise,
                 compile_local,
                 soc.soc_model,
                 soc.htp_arch,
