@@ -8,7 +8,14 @@ from conftest import TINY_GEMMA4_CONFIG
 from stages.config import load_config
 from stages.geometry import FULL, SLIDING, e2b_geometry, geometry_from_config
 from stages.graphs import PartitionError, partition_layers
-from stages.plan import kv_cache_bytes, make_plan
+from stages.plan import (
+    GIB,
+    kv_cache_bytes,
+    make_layouts,
+    make_plan,
+    over_context_limit,
+    recommended_layout,
+)
 
 MIB = 1 << 20
 
@@ -81,17 +88,19 @@ def test_v69_plan_has_separate_binaries_and_warns(geo):
     assert not any("LUT" in w for w in plan.warnings)
 
 
-def test_v73_plan_shares_weights_without_warning(geo):
+def test_v73_plan_shares_weights_and_meets_its_limits(geo):
     plan = make_plan(geo, load_config(overrides={"soc": "SM8550"}))
     assert plan.device_bytes == plan.device_bytes_shared_weights
-    assert plan.warnings == []
+    # No warning about binaries: only the (estimated) 8 GB phone budget, by 0.12 GiB.
+    assert [w for w in plan.warnings if "8 GB phone" not in w] == []
+    assert plan.fits(12) and not plan.fits(8)
 
 
 def test_limits_warn(geo):
     lut = make_plan(geo, load_config(overrides={"ple_lut_bits": 16}))
     assert any("over Genie's 4 GiB LUT limit" in w for w in lut.warnings)
-    big = make_plan(geo, load_config(overrides={"soc": "SM8650", "precision": "w16a16", "num_shards": 1}))
-    assert any("per-context limit" in w for w in big.warnings)
+    big = make_plan(geo, load_config(overrides={"num_shards": 1}))
+    assert any("per-context allocation limit" in w for w in big.warnings)
 
 
 def test_one_graph_per_part_when_prefill_equals_decode(geo):
@@ -137,3 +146,68 @@ def test_multimodal_config_with_text_config_is_read():
     assert [layer.kv_donor for layer in geo.layers] == [0, 1, 0, 1]
     assert [layer.intermediate_size for layer in geo.layers] == [128, 128, 256, 256]
     assert geo.ple_table.shape == (256, 32)
+
+
+def _limit(plan, prefix):
+    return next(c for c in plan.limits if c.limit.startswith(prefix))
+
+
+def test_a_2_1_gib_v69_context_is_refused_and_the_fix_named(geo):
+    plan = make_plan(geo, load_config(overrides={"num_shards": 1}))
+    worst = max(b.estimated_allocation for b in plan.binaries)
+    assert 2.1 * GIB < worst < 2.3 * GIB  # the whole w8a16 decoder in one context
+    check = _limit(plan, "per-context allocation limit")
+    assert not check.meets and check.limit_bytes == 2_097_152 * 1024
+    assert "num_shards >= 2" in over_context_limit(geo, load_config(overrides={"num_shards": 1}))
+    # The same context is within v73's 3.5 GiB.
+    assert over_context_limit(geo, load_config(overrides={"num_shards": 1, "soc": "SM8550"})) == ""
+
+
+def test_estimated_allocation_is_weights_plus_activations(geo):
+    plan = make_plan(geo, load_config())
+    for g in plan.graphs:
+        a = g.allocation
+        assert a["weights"] == g.bytes and a["io"] > 0 and a["intermediates"] > 0
+        assert a["total"] == a["weights"] + a["io"] + a["intermediates"] + a["spill_fill"]
+    prefill, decode = plan.graphs[3], plan.graphs[7]  # the lm_head parts: AR-128 logits dominate I/O
+    assert prefill.allocation["io"] > 128 * 262144 * 2 > decode.allocation["io"]
+    assert plan.mapped_bytes == sum(b.estimated_allocation for b in plan.binaries)
+
+
+def test_the_default_v69_layout_is_over_the_8gb_phone_and_one_process_domain(geo):
+    plan = make_plan(geo, load_config())
+    assert not _limit(plan, "single-process-domain").meets  # 4.5 GiB of contexts > 4 GiB
+    assert not _limit(plan, "RAM a bundle may pin (8 GB").meets
+    assert _limit(plan, "RAM a bundle may pin (12 GB").meets
+    assert approx(plan.device_bytes / GIB, 7.27, rel=0.01)
+
+
+def test_4bit_weights_halve_the_decoder_and_say_what_is_unverified(geo):
+    w8 = make_plan(geo, load_config(overrides={"prefill_ar": 1}))
+    w4 = make_plan(geo, load_config(overrides={"prefill_ar": 1, "precision": "w4a16-channel"}))
+    lpbq = make_plan(geo, load_config(overrides={"prefill_ar": 1, "precision": "w4a16"}))
+    decoder = 1.86e9
+    assert approx(sum(p.bytes for p in w8.parts) - sum(p.bytes for p in w4.parts), decoder / 2, rel=0.02)
+    # LPBQ adds one uint8 scale per 64 weights.
+    assert approx(sum(p.bytes for p in lpbq.parts) - sum(p.bytes for p in w4.parts), decoder / 64, rel=0.02)
+    assert w4.fits(8) and not w8.fits(8)
+    phone = _limit(w4, "RAM a bundle may pin (8 GB")
+    assert "unpacks them at load" in phone.unverified
+    assert "unpacks" not in _limit(w8, "RAM a bundle may pin (8 GB").unverified
+
+
+def test_layouts_price_both_precisions_and_both_graph_kinds(geo):
+    layouts = make_layouts(geo, load_config())
+    names = [lay.name for lay in layouts]
+    assert "w8a16, prefill AR-128 + decode AR-1" in names and "w4a16, one graph kind AR-1" in names
+    assert {lay.precision for lay in layouts} == {"w8a16", "w4a16", "w4a16-channel"}
+    assert sum(lay.is_config for lay in layouts) == 1
+    separate = next(lay for lay in layouts if lay.name == "w8a16, prefill AR-128 + decode AR-1")
+    one = next(lay for lay in layouts if lay.name == "w8a16, one graph kind AR-1")
+    assert separate.binaries_bytes == 2 * one.binaries_bytes  # v69 stores the weights twice
+    best = recommended_layout(layouts, 8)
+    # The most accurate 4-bit scheme (LPBQ) in one graph kind at AR-1.
+    assert best is not None and best.fits[8] and best.name == "w4a16, one graph kind AR-1"
+    # Nothing more accurate fits: every w8a16 layout is over the 8 GB phone.
+    assert all(not lay.fits[8] for lay in layouts if lay.precision == "w8a16")
+    assert recommended_layout(layouts, 12).precision == "w8a16"
