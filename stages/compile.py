@@ -66,6 +66,9 @@ EXTERNAL_DATA_BYTES = 1_900_000_000
 # peaked at 2 GB), plus a fixed overhead; used to decide how many graphs compile at once.
 COMPILE_RSS_PER_WEIGHT_BYTE = 4.5
 COMPILE_RSS_OVERHEAD = 600 << 20
+# QNN's refusal of an oversized context (fa_alloc.cc); a successful compile prints no estimate, even
+# at verbose log level (checked with QAIRT 2.51, soc 36 / v69).
+COMPILER_ESTIMATE = re.compile(r"estimated allocation of (\d+) KB, limit is (\d+) KB")
 CROSS_PART = re.compile(rf"^(?:{HIDDEN_PREFIX}\d+|{PER_LAYER_EMBEDS}|{KVSHARE_PREFIX}(?:key|value)_\d+)$")
 CACHE_IO = re.compile(rf"^(?:{'|'.join(CACHE_PREFIX.values())})_(?:key|value)_\d+_h\d+_(?:in|out)$")
 
@@ -349,6 +352,12 @@ def compile_local(
             if "fallback to CPU EP has been explicitly disabled" in detail:
                 nodes = _nodes_left_on_cpu(path, devices, options, work)
                 detail = f"the HTP cannot take these nodes: {', '.join(nodes[:20]) or '(unknown)'}"
+            estimate = COMPILER_ESTIMATE.search(detail)
+            if estimate:  # the compiler's own figure, which it prints only when it refuses
+                detail = (
+                    f"the compiler estimates {estimate.group(1)} KB, over its limit of {estimate.group(2)} "
+                    "KB per context: raise num_shards (`g4v69 plan` prices each binary)"
+                )
             raise CompileError(
                 f"{name}: onnxruntime-qnn could not compile it for soc_model {soc_model} / "
                 f"v{htp_arch}: {detail}"
@@ -519,7 +528,7 @@ def run_compile(
                 part=b.part,
                 weight_shared=b.weight_shared,
                 weight_bytes=sizes[b.file],
-                # Ours (weights + I/O); the compiler's own estimate is not reported on success.
+                # Ours (weights + I/O): the compiler prints its own estimate only when it refuses.
                 estimated_allocation_bytes=allocations[b.file],
                 allocation_limit_bytes=soc.limits.context_allocation.bytes,
                 bytes=path.stat().st_size,

@@ -208,6 +208,18 @@ class _Caches:
                 self.values[layer][:, slot] = values[:, j]
 
 
+def qdq_session_options():
+    """onnxruntime session options that run a QDQ graph as its encodings say. onnxruntime's CPU EP
+    fuses a 4-bit per-channel weight DequantizeLinear + MatMul into MatMulNBits and by default
+    (accuracy level 4) quantizes the activations to int8 for it: an error the HTP does not make.
+    Level 1 computes in float32."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+    return options
+
+
 class HostRunner:
     """Runs prompts through the graphs of one export: `graphs` maps role -> the part specs and
     their ONNX files, in part order."""
@@ -220,14 +232,13 @@ class HostRunner:
         pad_token_id: int = 0,
         threads: int = 0,
     ):
-        import onnxruntime as ort
 
         self.geo = geo
         self.graphs = graphs
         self.embed = embedder
         self.pad = pad_token_id
         self.context = next(iter(graphs.values()))[0][0].context
-        self._options = ort.SessionOptions()
+        self._options = qdq_session_options()
         if threads:
             self._options.intra_op_num_threads = threads
         # Created on first use and released per role: a session holds its graph's weights, and

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from onnx import TensorProto, helper
 
-from stages.compile import binary_allocation, check_rules, io_bytes, weight_bytes
+from stages.compile import COMPILER_ESTIMATE, binary_allocation, check_rules, io_bytes, weight_bytes
 from stages.graphs import Binary
 from stages.soc import get_soc
 
@@ -51,3 +51,14 @@ def test_4bit_weights_count_half_a_byte_each():
     assert weight_bytes(model) == int(1.5 * GIB) // 1536 * 1536
     assert io_bytes(model) == 2 * 1536 + 2 * (2 * int(1.5 * GIB) // 1536)
     assert binary_allocation([model]) == weight_bytes(model) + io_bytes(model)
+
+
+def test_the_compiler_s_own_estimate_is_read_from_its_refusal():
+    # The message QNN's context-binary generator gave for Gemma 4 E2B on a Galaxy S22 target (FACTS.md s.2).
+    m = COMPILER_ESTIMATE.search(
+        "ERROR: graph requires estimated allocation of 5404364 KB, limit is 2097152 KB"
+    )
+    assert m and (int(m.group(1)), int(m.group(2))) == (
+        5404364,
+        get_soc("SM8450").limits.context_allocation.bytes // 1024,
+    )
