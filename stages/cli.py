@@ -226,7 +226,7 @@ def quantize(
     compare_precisions: bool,
     provider: str,
 ) -> None:
-    """w8a16 QDQ graphs for the SoC (8-bit KV on v69), audited, with a quality report, into quantized/."""
+    """QDQ graphs at the precision for the SoC (8-bit KV on v69), audited, with a quality report."""
     from stages.calibration import CalibrationError
     from stages.checkpoint import CheckpointError
     from stages.quantize import QuantizeError, run_quantize

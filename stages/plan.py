@@ -436,7 +436,7 @@ UNVERIFIED_PD = (
 UNVERIFIED_PINNED = "the real resident limit of the phone (the budget is an estimate)"
 UNVERIFIED_4BIT = (
     "whether the runtime keeps 4-bit weights packed in memory or unpacks them at load (then the "
-    "binaries pin {unpacked} instead)"
+    "bundle pins {unpacked} instead)"
 )
 
 
@@ -468,7 +468,7 @@ def limit_checks(
     for phone in limits.phones:
         note = UNVERIFIED_PINNED
         if pinned_unpacked > pinned:
-            note += "; " + UNVERIFIED_4BIT.format(unpacked=_gib(pinned_unpacked))
+            note += "; " + UNVERIFIED_4BIT.format(unpacked=_size(pinned_unpacked))
         checks.append(
             LimitCheck(
                 limit=f"RAM a bundle may pin ({phone.name})",
@@ -659,9 +659,13 @@ def render_plan(plan: Plan, layouts: list[LayoutPlan] | None = None) -> str:
     return "\n".join(out)
 
 
+def _size(n: int) -> str:
+    return _gib(n) if n >= GIB // 10 else _mib(n)
+
+
 def render_limits(limits: list[LimitCheck]) -> list[str]:
     rows = [
-        [c.limit, _gib(c.needed_bytes), _gib(c.limit_bytes), "meets" if c.meets else "OVER"] for c in limits
+        [c.limit, _size(c.needed_bytes), _size(c.limit_bytes), "meets" if c.meets else "OVER"] for c in limits
     ]
     out = _table(rows, ["limit", "needs", "limit", "verdict"])
     out += ["  sources and what only a phone can settle:"]
@@ -692,7 +696,7 @@ def render_layouts(layouts: list[LayoutPlan]) -> list[str]:
     for ram in phones:
         best = recommended_layout(layouts, ram)
         out.append(
-            f"  most accurate layout that fits a {ram} GB phone: {best.name if best else 'none'}"
+            f"  most accurate layout that fits a phone with {ram} GB: {best.name if best else 'none'}"
             + (f" (Genie: {best.genie})" if best else "")
         )
     return out
