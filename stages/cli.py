@@ -111,6 +111,19 @@ def download(obj: Context, from_dir: Path | None) -> None:
         f"{out}: {figures['files']} files, {figures['bytes'] / 1e9:.3f} GB, "
         f"{figures['text_params'] / 1e6:.1f} M text params ({figures['source']})"
     )
+    ignored = figures["ignored_tensors"]
+    if ignored:
+        click.echo(
+            f"ignored {len(ignored)} K/V tensors of KV-shared layers, as transformers does (report.json)"
+        )
+    unused = figures["unused_tensors"]
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        click.echo(
+            f"warning: {len(unused)} language-model tensors have no place in Gemma 4 and are not used "
+            f"(transformers drops them too): {', '.join(unused[:3])}{more}",
+            err=True,
+        )
 
 
 @main.command()
@@ -158,6 +171,7 @@ def generate(
 ) -> None:
     """Run a prompt through the exported graphs on the host (onnxruntime), as the phone would."""
     from stages.chat import ChatError, ChatTokenizer
+    from stages.checkpoint import CheckpointError, stop_token_ids
     from stages.report import read_report
     from stages.runner import HostRunner, RunnerError, Sampling
 
@@ -171,10 +185,10 @@ def generate(
         gen = runner.generate(
             ids,
             max_new_tokens,
-            tok.stop_ids(runner.geo.config.get("eos_token_id")),
+            set(stop_token_ids(obj.checkpoint_dir())),
             Sampling(temperature, top_k, top_p, seed),
         )
-    except (ChatError, RunnerError) as e:
+    except (ChatError, RunnerError, CheckpointError) as e:
         raise UserError(str(e)) from None
     text = tok.decode(gen.tokens)
     figures = {

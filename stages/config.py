@@ -48,7 +48,11 @@ def _meta(stage: str, doc: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    model: str = field(metadata=_meta("download", "Hugging Face repo id, or built-in: tiny, e2b-random"))
+    model: str = field(
+        metadata=_meta(
+            "download", "Hugging Face repo id, built-in (tiny, e2b-random), or a name for a FROM=DIR import"
+        )
+    )
     model_revision: str = field(metadata=_meta("download", "git revision of the model repo (pin a sha)"))
     soc: str = field(metadata=_meta("quantize", "target SoC, a row of the SoC table"))
     # The part split balances weight bytes at the precision (and the PLE policy), so both re-export.
@@ -108,6 +112,29 @@ class PipelineConfig:
 FIELD_NAMES = tuple(f.name for f in fields(PipelineConfig))
 _FIELD_TYPES = {f.name: f.type for f in fields(PipelineConfig)}
 _HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# A checkpoint imported with FROM=DIR may be named like a folder (checkpoints/<name>).
+_FOLDER_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
+
+
+def is_repo_id(model: str) -> bool:
+    return bool(_HF_REPO_ID.match(model))
+
+
+def model_name_from_dir(from_dir: str | Path) -> str:
+    """The MODEL a FROM=DIR import gets when none is given: the folder's name, or owner/name for a
+    Hugging Face cache snapshot (.../models--owner--name/snapshots/<sha>)."""
+    path = Path(from_dir).resolve()
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        owner_name = path.parent.parent.name.removeprefix("models--").split("--", 1)
+        if len(owner_name) == 2 and is_repo_id("/".join(owner_name)):
+            return "/".join(owner_name)
+    if not _FOLDER_NAME.match(path.name):
+        raise ConfigError(
+            "model",
+            f"cannot name the checkpoint after FROM={from_dir}: {path.name!r} is not a plain folder name "
+            "(letters, digits, '.', '_', '-'); set MODEL to one",
+        )
+    return path.name
 
 
 def field_doc(name: str) -> str:
@@ -155,11 +182,11 @@ def _at_least(name: str, value: int, minimum: int, why: str = "") -> None:
 
 def validate(cfg: PipelineConfig) -> PipelineConfig:
     """Return cfg with normalised names, or raise ConfigError for the first bad field."""
-    if not (cfg.model in BUILTIN_MODELS or _HF_REPO_ID.match(cfg.model)):
+    if not (cfg.model in BUILTIN_MODELS or is_repo_id(cfg.model) or _FOLDER_NAME.match(cfg.model)):
         raise ConfigError(
             "model",
-            f"{cfg.model!r} is neither a Hugging Face repo id (owner/name) nor a built-in model; "
-            f"built-in models: {', '.join(BUILTIN_MODELS)}",
+            f"{cfg.model!r} is neither a Hugging Face repo id (owner/name), a built-in model "
+            f"({', '.join(BUILTIN_MODELS)}) nor a folder name for a FROM=DIR import",
         )
     if not cfg.model_revision.strip():
         raise ConfigError("model_revision", "must not be empty (use a commit sha or 'main')")
@@ -243,12 +270,16 @@ def load_config(
 
 
 if __name__ == "__main__":
-    # `python3 -m stages.config PRESET [MODEL]` prints the checkpoint folder name. The Makefile needs
-    # it to name the download stage's output before any image exists; this module is stdlib-only.
+    # `python3 -m stages.config PRESET [MODEL [FROM]]` prints the model and its checkpoint folder name
+    # (MODEL named after FROM when empty). The Makefile needs them to name the download stage's output
+    # before any image exists; this module is stdlib-only.
     import sys
 
-    args = sys.argv[1:] + [""]
+    preset, model, from_dir = (sys.argv[1:] + ["", "", ""])[:3]
     try:
-        print(load_config(args[0], {"model": args[1] or None}).checkpoint_name)
+        if not model and from_dir:
+            model = model_name_from_dir(from_dir)
+        cfg = load_config(preset, {"model": model or None})
+        print(cfg.model, cfg.checkpoint_name)
     except ConfigError as e:
         sys.exit(f"error: {e}")

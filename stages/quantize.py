@@ -11,6 +11,10 @@ a quality report.
   without requantizing. SoCs with a 16x16 matmul keep KV at `kv_cache_bits`.
 - The PLE policy: the in-graph per-layer-embedding paths stay float (float16 on the HTP; the default),
   or get int16 or int8 weights.
+- The inputs Genie fills from host LUTs (`inputs_embeds`, `per_layer_inputs`) are read with exactly
+  their LUT's encoding, whatever the PLE policy, so Genie copies LUT rows into them byte for byte
+  (it has no path from a fixed-point LUT into a float input: `stages.encoding`). Under the float16
+  policy the graph dequantizes `per_layer_inputs` right away and the PLE path after it stays float.
 - Calibration (MinMax) streams graph inputs from the float chain on real text (`stages.calibration`).
 
 Every quantized graph is audited (KV and activation-matmul bit widths, the PLE policy tensor by tensor,
@@ -35,12 +39,14 @@ from stages.config import PipelineConfig, stage_fields
 from stages.contract import (
     CACHE_PREFIX,
     HIDDEN_PREFIX,
-    INPUTS_EMBEDS,
     KVSHARE_PREFIX,
+    LUT_INPUTS,
     PER_LAYER_EMBEDS,
     PER_LAYER_INPUTS,
     GraphSpec,
+    constructed_input_ranges,
 )
+from stages.encoding import Encoding
 from stages.graphs import qdq_file_name
 from stages.precision import INT8_CHANNEL
 from stages.report import REPORT_NAME, read_report, stage_output
@@ -168,11 +174,14 @@ def analyse(model) -> GraphAnalysis:
 class _FeedsReader:
     """An onnxruntime CalibrationDataReader over a stream of feeds."""
 
-    def __init__(self, feeds: Iterator[dict[str, np.ndarray]], expected: int):
+    def __init__(self, feeds: Iterator[dict[str, np.ndarray]], expected: int, desc: str = "calibrate"):
+        from tqdm import tqdm
+
         self.feeds = feeds
         self.expected = expected  # onnxruntime's strided calibrators ask for len()
         self.count = 0
         self.budget: int | None = None
+        self.progress = tqdm(total=expected, desc=desc, unit="call", leave=False)
 
     def __len__(self) -> int:
         return self.expected
@@ -189,6 +198,9 @@ class _FeedsReader:
         item = next(self.feeds, None)
         if item is not None:
             self.count += 1
+            self.progress.update()
+        else:
+            self.progress.close()
         return item
 
 
@@ -226,9 +238,11 @@ def calibrated_ranges(runner, samples: list[list[int]]) -> CalibratedRanges:
             elif BOUNDARY_TENSOR.match(name):
                 widen(boundary, name, value)
 
+    from tqdm import tqdm
+
     runner.observer = observe
     try:
-        for sample in samples:
+        for sample in tqdm(samples, desc="calibrate KV and part ranges", unit="sample", leave=False):
             runner.reset()
             runner.prefill(sample)
     finally:
@@ -244,7 +258,7 @@ def quant_settings(
     analysis: GraphAnalysis,
     ranges: CalibratedRanges,
     graph_tensors: set[str],
-    embedding_lut: dict[str, Any] | None,
+    luts: dict[str, dict[str, Any]],
 ) -> tuple[dict, list[str]]:
     """Tensor overrides and excluded nodes for one graph under the config's rules."""
     from onnxruntime.quantization import QuantType
@@ -268,14 +282,19 @@ def quant_settings(
             overrides[name] = [
                 {"quant_type": QuantType.QUInt16, "rmin": np.float32(lo), "rmax": np.float32(hi)}
             ]
-    if embedding_lut is not None and INPUTS_EMBEDS in graph_tensors:
-        # The graph reads embedding rows exactly as the LUT stores them (real = (q + offset) * scale),
-        # so Genie can copy rows into the input tensor without requantizing.
-        overrides[INPUTS_EMBEDS] = [
+    for name, (lo, hi) in constructed_input_ranges().items():
+        if name in graph_tensors:
+            overrides[name] = [
+                {"quant_type": QuantType.QUInt16, "rmin": np.float32(lo), "rmax": np.float32(hi)}
+            ]
+    for name, enc in lut_input_encodings(luts, graph_tensors).items():
+        # The graph reads LUT rows exactly as the LUT stores them (real = (q + offset) * scale), so
+        # Genie can copy rows into the input tensor without requantizing.
+        overrides[name] = [
             {
-                "quant_type": QuantType.QUInt16,
-                "scale": np.array(embedding_lut["scale"], dtype=np.float32),
-                "zero_point": np.array(-embedding_lut["offset"], dtype=np.uint16),
+                "quant_type": {"ufixed8": QuantType.QUInt8, "ufixed16": QuantType.QUInt16}[enc.datatype],
+                "scale": np.array(enc.scale, dtype=np.float32),
+                "zero_point": np.array(-enc.offset, dtype=enc.numpy_dtype),
             }
         ]
     excluded = analysis.ple_nodes if cfg.ple_policy == "float16" else []
@@ -467,6 +486,52 @@ def matmul_float_weights(src: Path) -> dict[str, np.ndarray]:
     }
 
 
+def lut_input_encodings(luts: dict[str, dict[str, Any]], graph_tensors: set[str]) -> dict[str, Encoding]:
+    """The encoding each LUT-fed input of a graph must have: its LUT's (export report `luts`)."""
+    return {
+        name: Encoding.of_lut(luts[key])
+        for name, key in LUT_INPUTS.items()
+        if key in luts and name in graph_tensors
+    }
+
+
+def read_lut_inputs_quantized(model, encodings: dict[str, Encoding]) -> list[str]:
+    """Make every LUT-fed graph input enter through a QuantizeLinear -> DequantizeLinear pair with its
+    LUT's encoding, where the quantizer left it float (it does when every reader of the input is an
+    excluded float node: the float16 PLE policy's `per_layer_inputs`). Compile folds the pair's
+    QuantizeLinear into the input, so the binary takes the LUT's bytes. Returns the inputs changed."""
+    from onnx import helper
+
+    g = model.graph
+    changed = []
+    for name, enc in encodings.items():
+        readers = [n for n in g.node if name in n.input]
+        if len(readers) == 1 and readers[0].op_type == "QuantizeLinear":
+            continue  # the quantizer did it (with the override's encoding; the audit checks it)
+        scale, zero_point = f"{name}_lut_scale", f"{name}_lut_zero_point"
+        g.initializer.extend(
+            [
+                helper.make_tensor(scale, 1, [], [float(np.float32(enc.scale))]),
+                helper.make_tensor(zero_point, {"uint8": 2, "uint16": 4}[enc.numpy_dtype], [], [-enc.offset]),
+            ]
+        )
+        quantized, dequantized = f"{name}_lut_quantized", f"{name}_lut_dequantized"
+        for n in readers:
+            n.input[:] = [dequantized if i == name else i for i in n.input]
+        pair = [
+            helper.make_node(
+                "QuantizeLinear", [name, scale, zero_point], [quantized], f"{name}_QuantizeLinear"
+            ),
+            helper.make_node(
+                "DequantizeLinear", [quantized, scale, zero_point], [dequantized], f"{name}_DequantizeLinear"
+            ),
+        ]
+        for k, node in enumerate(pair):
+            g.node.insert(k, node)
+        changed.append(name)
+    return changed
+
+
 # ---- audit ----
 ONNX_TYPE_NAMES = {
     1: "float32",
@@ -481,8 +546,11 @@ ONNX_TYPE_NAMES = {
 }
 
 
-def audit(cfg: PipelineConfig, qmodel, analysis: GraphAnalysis) -> dict[str, Any]:
-    """Final types in a QDQ graph: KV operands, the PLE paths, and float tensors left behind."""
+def audit(
+    cfg: PipelineConfig, qmodel, analysis: GraphAnalysis, lut_inputs: dict[str, Encoding]
+) -> dict[str, Any]:
+    """Final types in a QDQ graph: KV operands, the PLE paths, float tensors left behind, and the
+    LUT-fed inputs (`lut_input_encodings`), each of which must be read with exactly its LUT's encoding."""
     import onnx
 
     graph = qmodel.graph
@@ -616,12 +684,31 @@ def audit(cfg: PipelineConfig, qmodel, analysis: GraphAnalysis) -> dict[str, Any
         problems.append(
             f"{len(leftover)} float inputs outside the PLE policy, e.g. {', '.join(leftover[:3])}"
         )
+    lut_fed = {}
+    for name, want in sorted(lut_inputs.items()):
+        readers = [n for n in graph.node if name in n.input]
+        q = readers[0] if len(readers) == 1 and readers[0].op_type == "QuantizeLinear" else None
+        got = None
+        if q is not None and len(q.input) > 2 and q.input[1] in inits and q.input[2] in inits:
+            zp = inits[q.input[2]]
+            got = Encoding.from_onnx(
+                zp.data_type,
+                float(onnx.numpy_helper.to_array(inits[q.input[1]])),
+                int(onnx.numpy_helper.to_array(zp)),
+            )
+        lut_fed[name] = {"lut": want.to_dict(), "input": got.to_dict() if got else "float32"}
+        if got != want:
+            problems.append(
+                f"{name} is read as {got.describe() if got else 'float32'}, its LUT is {want.describe()}: "
+                "Genie copies LUT rows only into an input of the LUT's exact encoding"
+            )
     return {
         "activation_matmuls": act,
         "weights": weights,
         "kv_encodings": kv_encodings,
         "ple_tensors": ple,
         "float_leftovers": leftover,
+        "lut_inputs": lut_fed,
         "problems": problems,
     }
 
@@ -631,21 +718,34 @@ def chain_logits(runner, samples: list[list[int]], decode_steps: int) -> list[np
     """Teacher-forced logits for every position but the last of each sample: its beginning through
     the prefill graphs, the rest as decode steps. All prefills run first and their cache states are
     kept, so prefill and decode graphs (each a full copy of the weights) are never loaded together."""
+    from tqdm import tqdm
+
     from stages.calibration import decode_split
 
     use_decode = "decode" in runner.graphs
+    splits = [decode_split(s, decode_steps if use_decode else 0) for s in samples]
+    progress = tqdm(
+        total=len(samples) + sum(max(len(tail) - 1, 0) for _, tail in splits),
+        desc="evaluate",
+        unit="call",
+        leave=False,
+    )
     heads = []
-    for sample in samples:
-        head, tail = decode_split(sample, decode_steps if use_decode else 0)
+    for head, tail in splits:
         runner.reset()
         heads.append((runner.prefill(head), runner.snapshot(), tail))
+        progress.update()
     runner.release("prefill")
     out = []
     for sample, (logits, state, tail) in zip(samples, heads, strict=True):
         runner.restore(state)
-        rows = [logits] + [runner.step([tok]) for tok in tail[:-1]]
+        rows = [logits]
+        for tok in tail[:-1]:
+            rows.append(runner.step([tok]))
+            progress.update()
         out.append(np.concatenate(rows)[: len(sample) - 1])
     runner.release("decode")
+    progress.close()
     return out
 
 
@@ -684,12 +784,12 @@ def output_sqnr(fp_runner, q_paths: dict[str, Path], samples: list[list[int]]) -
     is loaded beside it."""
     import onnxruntime as ort
 
-    from stages.runner import qdq_session_options
+    from stages.runner import session_options
 
     out: dict[str, dict[str, float]] = {}
     for spec, _ in fp_runner.graphs["prefill"]:
         session = ort.InferenceSession(
-            str(q_paths[spec.name]), qdq_session_options(), providers=["CPUExecutionProvider"]
+            str(q_paths[spec.name]), session_options(fold_weights=True), providers=["CPUExecutionProvider"]
         )
         signal: dict[str, float] = defaultdict(float)
         noise: dict[str, float] = defaultdict(float)
@@ -811,7 +911,7 @@ def graph_quant_config(
     spec: GraphSpec,
     src: Path,
     ranges: CalibratedRanges,
-    embedding_lut: dict[str, Any] | None,
+    luts: dict[str, dict[str, Any]],
     samples: list[list[int]],
     decode_steps: int,
     calibration_providers: list[str] | None = None,
@@ -828,9 +928,11 @@ def graph_quant_config(
     model = onnx.load(str(src), load_external_data=False)
     analysis = analyse(model)
     io_names = {t.name for t in (*model.graph.input, *model.graph.output)}
-    overrides, excluded = quant_settings(cfg, analysis, ranges, io_names, embedding_lut)
+    overrides, excluded = quant_settings(cfg, analysis, ranges, io_names, luts)
     expected = calls(samples, spec.role, runner.prefill_ar, decode_steps)
-    reader = _FeedsReader(graph_feeds(runner, samples, spec.role, spec.part, decode_steps), expected)
+    reader = _FeedsReader(
+        graph_feeds(runner, samples, spec.role, spec.part, decode_steps), expected, f"calibrate {spec.name}"
+    )
     # onnxruntime wants the call count divisible by the stride: the largest divisor up to it.
     graph_stride = max(d for d in range(1, stride + 1) if expected % d == 0) if stride else None
     qcfg = get_qnn_qdq_config(
@@ -875,7 +977,7 @@ def quantize_graphs(
     from stages.runner import HostRunner
 
     runner = HostRunner.from_export(export_dir, luts=True)
-    embedding_lut = read_report(export_dir)["figures"]["luts"].get("embedding")
+    luts = read_report(export_dir)["figures"]["luts"]
     ranges = calibrated_ranges(runner, samples)
     result = QuantizedGraphs(
         paths={},
@@ -890,7 +992,7 @@ def quantize_graphs(
             spec,
             src,
             ranges,
-            embedding_lut,
+            luts,
             samples,
             decode_steps,
             calibration_providers,
@@ -909,7 +1011,12 @@ def quantize_graphs(
             quantize_with_ranges(src, dest, qcfg, ranges_file)
         if cfg.precision_info.decoder_weights != INT8_CHANNEL:
             rewrite_weights(cfg, src, dest)
-        checked = audit(cfg, onnx.load(str(dest), load_external_data=False), analysis)
+        qmodel = onnx.load(str(dest), load_external_data=False)
+        lut_inputs = lut_input_encodings(luts, {i.name for i in qmodel.graph.input})
+        if read_lut_inputs_quantized(qmodel, lut_inputs):
+            # Weights stay where they are: an external-data graph keeps its references to the same file.
+            onnx.save(qmodel, str(dest))
+        checked = audit(cfg, qmodel, analysis, lut_inputs)
         result.problems += [f"{spec.name}: {p}" for p in checked["problems"]]
         result.paths[spec.name] = dest
         result.figures.append(
@@ -930,7 +1037,9 @@ def _quality(cfg, export_dir: Path, q: QuantizedGraphs, eval_samples, decode_ste
     from stages.runner import HostRunner
 
     fp = HostRunner.from_export(export_dir, luts=True)
-    quantized = HostRunner.from_export(export_dir, luts=True, graph_dir=next(iter(q.paths.values())).parent)
+    quantized = HostRunner.from_export(
+        export_dir, luts=True, graph_dir=next(iter(q.paths.values())).parent, fold_weights=True
+    )
     chains = compare_chains(fp, quantized, eval_samples, decode_steps)
     prefill = {name: p for name, p in q.paths.items() if name.startswith("prefill")}
     return {**chains, "sqnr_db": output_sqnr(fp, prefill, eval_samples[:1])}

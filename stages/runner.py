@@ -208,15 +208,28 @@ class _Caches:
                 self.values[layer][:, slot] = values[:, j]
 
 
-def qdq_session_options():
-    """onnxruntime session options that run a QDQ graph as its encodings say. onnxruntime's CPU EP
-    fuses a 4-bit per-channel weight DequantizeLinear + MatMul into MatMulNBits and by default
-    (accuracy level 4) quantizes the activations to int8 for it: an error the HTP does not make.
-    Level 1 computes in float32."""
+def session_options(threads: int = 0, fold_weights: bool = False) -> Any:
+    """onnxruntime session options for the host chains.
+
+    `fold_weights` (for QDQ graphs): onnxruntime leaves a weight's DequantizeLinear in the graph while
+    its QDQ transformers are on, so every call dequantizes every int8/int4 weight again (at E2B width a
+    decode step is about 10x slower than the MatMuls themselves). With them off, constant folding runs
+    each weight's DequantizeLinear once at load, through the same kernel, so the weights are the same
+    floats bit for bit. Prepacking stays off so that MatMul sums in the same order as it does with a
+    non-constant weight: the outputs are bit-identical to the unfolded graph's (a test compares them).
+    """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    # Where QDQ transformers run, onnxruntime fuses a 4-bit per-channel weight DequantizeLinear +
+    # MatMul into MatMulNBits and by default (accuracy level 4) quantizes its activations to int8: an
+    # error the HTP does not make. Level 1 computes in float32.
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+    if threads:
+        options.intra_op_num_threads = threads
+    if fold_weights:
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
+        options.add_session_config_entry("session.disable_prepacking", "1")
     return options
 
 
@@ -231,16 +244,14 @@ class HostRunner:
         embedder: Embedder,
         pad_token_id: int = 0,
         threads: int = 0,
+        fold_weights: bool = False,
     ):
-
         self.geo = geo
         self.graphs = graphs
         self.embed = embedder
         self.pad = pad_token_id
         self.context = next(iter(graphs.values()))[0][0].context
-        self._options = qdq_session_options()
-        if threads:
-            self._options.intra_op_num_threads = threads
+        self._options = session_options(threads, fold_weights)
         # Created on first use and released per role: a session holds its graph's weights, and
         # E2B's prefill and decode graphs together (17 GB in float32) do not fit 24 GB with the rest.
         self._sessions: dict[Path, Any] = {}

@@ -143,7 +143,7 @@ def run_verify(
 ) -> dict[str, Any]:
     """The whole stage; returns its report. A broken bundle raises VerifyError."""
     from stages.chat import ChatTokenizer
-    from stages.checkpoint import Checkpoint
+    from stages.checkpoint import Checkpoint, stop_token_ids
     from stages.reference import greedy_tokens, logits_of, transformers_model
 
     bundle_dir, compiled_dir = workdir / "genie_bundle", workdir / "compiled"
@@ -158,7 +158,12 @@ def run_verify(
 
     tok = ChatTokenizer(checkpoint_dir)
     genie = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-    stop_ids = set(genie["context"]["eos-token"])
+    stop_ids = set(stop_token_ids(checkpoint_dir))
+    if set(genie["context"]["eos-token"]) != stop_ids:
+        raise VerifyError(
+            f"{bundle_dir / GENIE_CONFIG} stops at tokens {genie['context']['eos-token']}, the checkpoint at "
+            f"{sorted(stop_ids)}; run `make bundle` again"
+        )
     prompt_ids = tok.chat_ids(prompt)
     room = genie["context"]["size"] - len(prompt_ids) - (-len(prompt_ids)) % cfg.prefill_ar
     max_new_tokens = max(1, min(max_new_tokens, room))

@@ -6,6 +6,7 @@ from stages.config import (
     STAGES,
     ConfigError,
     load_config,
+    model_name_from_dir,
     stage_fields,
 )
 
@@ -113,3 +114,35 @@ def test_every_field_belongs_to_exactly_one_stage():
     owned = [f for s in STAGES for f in stage_fields(s)]
     assert sorted(owned) == sorted(FIELD_NAMES)
     assert "soc" in stage_fields("quantize") and "compiler" in stage_fields("compile")
+
+
+def test_a_folder_name_is_a_model_for_from_imports():
+    assert load_config(overrides={"model": "My-Finetune_2.1"}).checkpoint_name == "my-finetune_2.1"
+    with pytest.raises(ConfigError, match="nor a folder name for a FROM=DIR import"):
+        load_config(overrides={"model": "a b"})
+
+
+def test_the_model_is_named_after_the_from_folder(tmp_path):
+    assert model_name_from_dir(tmp_path / "mm") == "mm"
+    assert model_name_from_dir(f"{tmp_path}/mm/") == "mm"
+    snapshot = tmp_path / "hub" / "models--google--gemma-4-E2B-it" / "snapshots" / "0123abc"
+    assert model_name_from_dir(snapshot) == "google/gemma-4-E2B-it"
+    with pytest.raises(ConfigError, match="'my model' is not a plain folder name.*set MODEL"):
+        model_name_from_dir(tmp_path / "my model")
+
+
+def test_the_makefile_helper_prints_the_model_and_its_folder(tmp_path):
+    import subprocess
+    import sys
+
+    def helper(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "stages.config", *args], capture_output=True, text=True)
+
+    assert helper("default", "", str(tmp_path / "Mm")).stdout == "Mm mm\n"
+    assert helper("default", "google/gemma-4-E2B-it", str(tmp_path / "Mm")).stdout.split() == [
+        "google/gemma-4-E2B-it",
+        "gemma-4-e2b-it",
+    ]
+    assert helper("tiny").stdout == "tiny tiny\n"
+    bad = helper("default", "", str(tmp_path / "a b"))
+    assert bad.returncode == 1 and "set MODEL" in bad.stderr

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from stages.config import load_config
 from stages.quantize import _pack_int4, apply_weight_scheme, int4_channel, int4_lpbq, weight_role
-from stages.runner import qdq_session_options
+from stages.runner import session_options
 
 ROWS, COLS = 256, 16
 
@@ -55,7 +55,7 @@ def _int8_qdq_model(w: np.ndarray, weight: str = "layers.0.mlp.down_proj.weight"
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
-    options = qdq_session_options()
+    options = session_options()
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     return session.run(None, {"X": x})[0]
 
