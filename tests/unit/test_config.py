@@ -49,8 +49,8 @@ def test_none_overrides_keep_the_preset_value():
         ({"prefill_ar": 2048}, "prefill_ar", "1..2047"),
         ({"decode_ar": 4096}, "decode_ar", "1..2047"),
         ({"num_shards": 0}, "num_shards", ">= 1"),
-        ({"precision": "w16a16"}, "precision", "w8a16, w4a16, w4a16-channel"),
-        ({"precision": "w3a7"}, "precision", "w8a16, w4a16, w4a16-channel, w16a16"),
+        ({"precision": "w16a16"}, "precision", "w8a16, w4a16"),
+        ({"precision": "w3a7"}, "precision", "w8a16, w4a16, w4a16-lpbq, w16a16"),
         ({"compiler": "cloud"}, "compiler", "local, aihub"),
         ({"kv_bits": "16"}, "kv_bits", "auto, 8"),
         ({"ple_policy": "int4"}, "ple_policy", "float16, int16, int8"),
@@ -77,6 +77,11 @@ def test_a_precision_the_pipeline_cannot_build_is_refused_everywhere():
     # w16a16 would run on v73+ but the quantize stage has no 16-bit weight scheme: refused, not ignored.
     with pytest.raises(ConfigError, match="w16a16 is refused: the quantize stage has no 16-bit weight"):
         load_config(overrides={"soc": "SM8650", "precision": "w16a16"})
+
+
+def test_lpbq_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="w4a16-lpbq is refused: its v69 binaries disagree"):
+        load_config(overrides={"precision": "w4a16-lpbq"})
 
 
 def test_precision_and_ple_policy_re_export():

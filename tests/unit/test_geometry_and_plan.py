@@ -16,6 +16,7 @@ from stages.plan import (
     over_context_limit,
     recommended_layout,
 )
+from stages.precision import INT4_CHANNEL, INT4_LPBQ64
 
 MIB = 1 << 20
 
@@ -196,12 +197,11 @@ def test_the_default_v69_layout_is_over_the_8gb_phone_and_one_process_domain(geo
 
 def test_4bit_weights_halve_the_decoder_and_say_what_is_unverified(geo):
     w8 = make_plan(geo, original(**{"prefill_ar": 1}))
-    w4 = make_plan(geo, original(**{"prefill_ar": 1, "precision": "w4a16-channel"}))
-    lpbq = make_plan(geo, original(**{"prefill_ar": 1, "precision": "w4a16"}))
+    w4 = make_plan(geo, original(**{"prefill_ar": 1, "precision": "w4a16"}))
     decoder = 1.86e9
     assert approx(sum(p.bytes for p in w8.parts) - sum(p.bytes for p in w4.parts), decoder / 2, rel=0.02)
-    # LPBQ adds one uint8 scale per 64 weights.
-    assert approx(sum(p.bytes for p in lpbq.parts) - sum(p.bytes for p in w4.parts), decoder / 64, rel=0.02)
+    # LPBQ would add one uint8 scale per 64 weights.
+    assert INT4_LPBQ64.stored_bytes(64 * 1536) - INT4_CHANNEL.stored_bytes(64 * 1536) == 1536
     assert w4.fits(8) and not w8.fits(8)
     phone = _limit(w4, "RAM a bundle may pin (8 GB")
     assert "unpacks them at load" in phone.unverified
@@ -212,13 +212,13 @@ def test_layouts_price_both_precisions_and_both_graph_kinds(geo):
     layouts = make_layouts(geo, original())
     names = [lay.name for lay in layouts]
     assert "w8a16, prefill AR-128 + decode AR-1" in names and "w4a16, one graph kind AR-1" in names
-    assert {lay.precision for lay in layouts} == {"w8a16", "w4a16", "w4a16-channel"}
+    assert {lay.precision for lay in layouts} == {"w8a16", "w4a16"}
     assert sum(lay.is_config for lay in layouts) == 1
     separate = next(lay for lay in layouts if lay.name == "w8a16, prefill AR-128 + decode AR-1")
     one = next(lay for lay in layouts if lay.name == "w8a16, one graph kind AR-1")
     assert separate.binaries_bytes == 2 * one.binaries_bytes  # v69 stores the weights twice
     best = recommended_layout(layouts, 8)
-    # The most accurate 4-bit scheme (LPBQ) in one graph kind at AR-1.
+    # 4-bit weights in one graph kind at AR-1.
     assert best is not None and best.fits[8] and best.name == "w4a16, one graph kind AR-1"
     # Nothing more accurate fits: every w8a16 layout is over the 8 GB phone.
     assert all(not lay.fits[8] for lay in layouts if lay.precision == "w8a16")

@@ -3,6 +3,8 @@ precision's scheme (stages/precision.py), runs on onnxruntime's CPU EP, and keep
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -60,6 +62,12 @@ def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     return session.run(None, {"X": x})[0]
 
 
+def _config(precision: str):
+    """The tiny config at a precision, refused ones included (the LPBQ rewrite stays tested while the
+    config refuses it)."""
+    return dataclasses.replace(load_config("tiny"), precision=precision)
+
+
 def test_int4_packing_is_onnx_s_own_layout():
     q = np.array([[-8, 7, 0], [1, -1, 3]], np.int8)
     t = helper.make_tensor("q", TensorProto.INT4, [2, 3], _pack_int4(q), raw=True)
@@ -78,13 +86,13 @@ def test_lpbq_scales_are_uint8_times_a_channel_scale():
 
 
 @pytest.mark.parametrize(
-    "precision, scheme_type, block", [("w4a16", TensorProto.INT4, 64), ("w4a16-channel", TensorProto.INT4, 0)]
+    "precision, scheme_type, block", [("w4a16-lpbq", TensorProto.INT4, 64), ("w4a16", TensorProto.INT4, 0)]
 )
 def test_the_rewritten_graph_runs_and_stays_close_to_float(precision, scheme_type, block):
     w = _weight()
     model = _int8_qdq_model(w)
     x = np.random.default_rng(1).normal(size=(1, 8, ROWS)).astype(np.float32)
-    assert apply_weight_scheme(load_config("tiny", {"precision": precision}), model, {"mm": w}) == 1
+    assert apply_weight_scheme(_config(precision), model, {"mm": w}) == 1
     onnx.checker.check_model(model)
     inits = {i.name: i for i in model.graph.initializer}
     dq = next(n for n in model.graph.node if n.output == ["w_dq"])
