@@ -144,7 +144,7 @@ $(VERIFY_REPORT): $(BUNDLE_REPORT) $(STAMP_DIR)/verify.json FORCE | $(call RUNNE
 
 download: $(DOWNLOAD_REPORT) ## fetch the checkpoint (or make the built-in tiny model) into checkpoints/
 export: $(EXPORT_REPORT) ## static-shape sharded ONNX graphs + LUTs into exported/
-quantize: $(QUANTIZE_REPORT) ## w8a16 QDQ graphs (8-bit KV on v69) into quantized/
+quantize: $(QUANTIZE_REPORT) ## QDQ graphs at PRECISION (4-bit by default; 8-bit KV on v69) into quantized/
 compile: $(COMPILE_REPORT) ## QNN context binaries into compiled/ (COMPILER=local|aihub)
 bundle: $(BUNDLE_REPORT) ## the Genie bundle into genie_bundle/
 verify: $(VERIFY_REPORT) ## check the bundle on the host against transformers into verify/

@@ -8,7 +8,7 @@ Make variables become these options; G4V69_<FIELD> environment variables work to
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import click
@@ -223,6 +223,11 @@ def generate(
     "--compare-ple-policies", is_flag=True, help="also measure the other PLE policies in the report"
 )
 @click.option(
+    "--compare-precisions",
+    is_flag=True,
+    help="also measure every other precision the SoC runs (w8a16 and the 4-bit schemes) in the report",
+)
+@click.option(
     "--provider",
     type=click.Choice(["cpu", "rocm"]),
     default="cpu",
@@ -231,9 +236,13 @@ def generate(
 )
 @click.pass_obj
 def quantize(
-    obj: Context, calibration_files: tuple[Path, ...], compare_ple_policies: bool, provider: str
+    obj: Context,
+    calibration_files: tuple[Path, ...],
+    compare_ple_policies: bool,
+    compare_precisions: bool,
+    provider: str,
 ) -> None:
-    """w8a16 QDQ graphs for the SoC (8-bit KV on v69), audited, with a quality report, into quantized/."""
+    """QDQ graphs at the precision for the SoC (8-bit KV on v69), audited, with a quality report."""
     from stages.calibration import CalibrationError
     from stages.checkpoint import CheckpointError
     from stages.quantize import QuantizeError, run_quantize
@@ -246,6 +255,7 @@ def quantize(
             list(calibration_files) or None,
             compare_ple_policies,
             provider,
+            compare_precisions=compare_precisions,
         )
     except (QuantizeError, CalibrationError, CheckpointError) as e:
         raise UserError(str(e)) from None
@@ -315,6 +325,25 @@ def bundle(obj: Context, check_manifest_path: Path | None) -> None:
         f"{obj.workdir / 'genie_bundle'}: {fig['name']}, {fig['files']} files, {fig['bytes'] / 1e6:.1f} MB; "
         f"Genie's validator: {fig['genie_validator']}"
     )
+    _echo_bundle_limits(obj)
+
+
+def _echo_bundle_limits(obj: Context) -> None:
+    """Which of the SoC table's memory limits the bundle just built meets (FACTS.md s.2)."""
+    from stages.plan import built_limits, make_plan, render_limits
+    from stages.report import read_report
+
+    cfg = obj.config
+    compiled = read_report(obj.workdir / "compiled")
+    exported = read_report(obj.workdir / "exported")
+    geo = load_geometry(obj.checkpoint_dir() / "config.json")
+    luts = sum(
+        (obj.workdir / "exported" / lut["path"]).stat().st_size
+        for lut in exported["figures"]["luts"].values()
+    )
+    checks = built_limits(make_plan(geo, cfg), cfg, compiled["figures"]["binaries"], luts)
+    click.echo(f"Limits of {cfg.soc} against this bundle:")
+    click.echo("\n".join(render_limits(checks)))
 
 
 @main.command()
@@ -481,8 +510,9 @@ def stamp(obj: Context, stage: str, output: Path) -> None:
 )
 @click.pass_obj
 def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Path | None) -> None:
-    """Parameters, bytes per part and graph, LUTs, KV cache, device memory and a decode roofline."""
-    from stages.plan import make_plan, render_plan
+    """Parameters, bytes per part and graph, LUTs, KV cache, device memory against the SoC's limits,
+    a decode roofline, and the layouts (precision x graph kinds) side by side."""
+    from stages.plan import make_layouts, make_plan, render_plan
 
     cfg = obj.config
     try:
@@ -500,13 +530,14 @@ def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Pa
                     "first or pass --checkpoint-config PATH/config.json"
                 )
         result = make_plan(geo, cfg)
+        layouts = make_layouts(geo, cfg)
     except (GeometryError, PartitionError) as e:
         raise UserError(str(e)) from None
-    data = {"config": cfg.to_dict(), **result.to_dict()}
+    data = {"config": cfg.to_dict(), **result.to_dict(), "layouts": [asdict(lay) for lay in layouts]}
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(output, data)
-    click.echo(json.dumps(data, indent=2) if as_json else render_plan(result))
+    click.echo(json.dumps(data, indent=2) if as_json else render_plan(result, layouts))
 
 
 @main.command()

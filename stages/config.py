@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from stages.precision import PRECISIONS, Precision
 from stages.soc import SOCS, Soc, get_soc
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -26,32 +27,6 @@ PLE_POLICIES = ("float16", "int16", "int8")
 PLE_LUT_BITS = (8, 16)
 KV_BITS = ("auto", "8", "16")
 CALIBRATION_DATASETS = ("wikitext-2-raw-v1", "files")
-
-
-@dataclass(frozen=True)
-class Precision:
-    name: str
-    weight_bits: int
-    activation_bits: int
-    # 4-bit weights on HTP are block-wise (LPBQ), which needs v69 or newer.
-    needs_lpbq: bool = False
-    # 16-bit weights against 16-bit activations need the v73+ 16x16 matmul.
-    needs_matmul_16x16: bool = False
-
-    def runs_on(self, soc: Soc) -> bool:
-        return (soc.lpbq_4bit_weights or not self.needs_lpbq) and (
-            soc.matmul_16x16 or not self.needs_matmul_16x16
-        )
-
-
-PRECISIONS: dict[str, Precision] = {
-    p.name: p
-    for p in (
-        Precision("w8a16", weight_bits=8, activation_bits=16),
-        Precision("w4a16", weight_bits=4, activation_bits=16, needs_lpbq=True),
-        Precision("w16a16", weight_bits=16, activation_bits=16, needs_matmul_16x16=True),
-    )
-}
 
 
 class ConfigError(ValueError):
@@ -80,7 +55,8 @@ class PipelineConfig:
     )
     model_revision: str = field(metadata=_meta("download", "git revision of the model repo (pin a sha)"))
     soc: str = field(metadata=_meta("quantize", "target SoC, a row of the SoC table"))
-    precision: str = field(metadata=_meta("quantize", "weight/activation bits, e.g. w8a16"))
+    # The part split balances weight bytes at the precision (and the PLE policy), so both re-export.
+    precision: str = field(metadata=_meta("export", "quantization scheme: w4a16 (int4 per channel), w8a16"))
     max_context: int = field(metadata=_meta("export", "context length in tokens (KV cache slots)"))
     prefill_ar: int = field(metadata=_meta("export", "tokens per prefill graph call (AR-N)"))
     decode_ar: int = field(metadata=_meta("export", "tokens per decode graph call"))
@@ -92,7 +68,7 @@ class PipelineConfig:
     calibration_dataset: str = field(metadata=_meta("quantize", "wikitext-2-raw-v1, or files (local text)"))
     calibration_samples: int = field(metadata=_meta("quantize", "number of calibration sequences"))
     calibration_tokens: int = field(metadata=_meta("quantize", "tokens per calibration sequence, at most"))
-    ple_policy: str = field(metadata=_meta("quantize", "precision of the in-graph per-layer-embedding paths"))
+    ple_policy: str = field(metadata=_meta("export", "precision of the in-graph per-layer-embedding paths"))
     ple_lut_bits: int = field(metadata=_meta("export", "bits per entry of the per-layer embedding LUT"))
     kv_bits: str = field(metadata=_meta("quantize", "KV cache bits: auto (8 without 16x16 matmul), 8 or 16"))
 
@@ -216,8 +192,14 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
     cfg = dataclasses.replace(cfg, soc=cfg.soc.upper())
     soc = cfg.soc_info
     _one_of("precision", cfg.precision, list(PRECISIONS))
+    if cfg.precision_info.not_built:
+        built = [p.name for p in PRECISIONS.values() if not p.not_built and p.runs_on(soc)]
+        raise ConfigError(
+            "precision",
+            f"{cfg.precision} is refused: {cfg.precision_info.not_built}; allowed values: {', '.join(built)}",
+        )
     if not cfg.precision_info.runs_on(soc):
-        allowed = [p.name for p in PRECISIONS.values() if p.runs_on(soc)]
+        allowed = [p.name for p in PRECISIONS.values() if p.runs_on(soc) and not p.not_built]
         raise ConfigError(
             "precision",
             f"{cfg.precision} cannot run on {soc.name} ({soc.dsp_arch}); "

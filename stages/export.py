@@ -161,7 +161,7 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     from tqdm import tqdm
 
     from stages.graphs import PartitionError
-    from stages.plan import CONTEXT_LIMIT_BYTES, make_plan, part_layers
+    from stages.plan import over_context_limit, part_layers
 
     if read_report(checkpoint_dir) is None:
         raise ExportError(
@@ -174,12 +174,10 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
         specs = graph_specs(geo, cfg, parts)
     except (PartitionError, ValueError) as e:
         raise ExportError(str(e)) from None
-    too_big = [p for p in make_plan(geo, cfg).parts if p.bytes >= CONTEXT_LIMIT_BYTES]
+    # The parts are cut here, so a part the compiler would refuse is refused before anything is built.
+    too_big = over_context_limit(geo, cfg)
     if too_big:
-        raise ExportError(
-            f"{too_big[0].name} would hold {too_big[0].bytes / 1e9:.2f} GB of weights at {cfg.precision}, "
-            f"over the 4 GB per-context limit; raise NUM_SHARDS (now {cfg.num_shards})"
-        )
+        raise ExportError(too_big)
     weight_files = sorted(set(ckpt.files.values()))
     missing = [t.name for t in geo.all_tensors() if ckpt.prefix + t.name not in ckpt.files]
     if missing:

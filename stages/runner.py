@@ -223,6 +223,10 @@ def session_options(threads: int = 0, fold_weights: bool = False) -> Any:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    # Where QDQ transformers run, onnxruntime fuses a 4-bit per-channel weight DequantizeLinear +
+    # MatMul into MatMulNBits and by default (accuracy level 4) quantizes its activations to int8: an
+    # error the HTP does not make. Level 1 computes in float32.
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
     if threads:
         options.intra_op_num_threads = threads
     if fold_weights:
