@@ -99,17 +99,6 @@ def test_plan_reads_a_checkpoint_config(g4v69, tmp_path):
     assert json.loads(r.output)["params"]["embedding"] == 256 * 64
 
 
-def test_stamp_rewrites_only_on_change(g4v69, tmp_path):
-    out = tmp_path / "s" / "export.json"
-    assert g4v69("stamp", "export", "--output", str(out)).exit_code == 0
-    first = out.stat().st_mtime_ns
-    g4v69("stamp", "export", "--output", str(out))
-    assert out.stat().st_mtime_ns == first
-    g4v69("--max-context", "4096", "stamp", "export", "--output", str(out))
-    assert json.loads(out.read_text())["max_context"] == 4096
-    assert "soc" not in json.loads(out.read_text())
-
-
 def test_doctor_never_prints_a_token(g4v69):
     r = g4v69("doctor", env={"HF_TOKEN": "hf_canary_doctor_123"})
     assert r.exit_code == 0 and "HF_TOKEN" in r.output
