@@ -108,7 +108,8 @@ QUANTIZE_REPORT = $(WD)/quantized/report.json
 COMPILE_REPORT  = $(WD)/compiled/report.json
 BUNDLE_REPORT   = $(WD)/genie_bundle/report.json
 VERIFY_REPORT   = $(WD)/verify/report.json
-stamp = $(STAMP_DIR)/$(word $(1),$(CONFIG_NAMES))
+# (A config the module refuses names nothing; the stage then says why and writes nothing.)
+stamp = $(STAMP_DIR)/$(or $(word $(1),$(CONFIG_NAMES)),no-config-$(1))
 DOWNLOAD_STAMP  = $(call stamp,2)
 EXPORT_STAMP    = $(call stamp,3)
 QUANTIZE_STAMP  = $(call stamp,4)

@@ -366,11 +366,12 @@ def verify(obj: Context, prompt: str, max_new_tokens: int) -> None:
     """Check genie_bundle/ on the host: hashes, binaries vs config, tokens vs transformers; into verify/."""
     from stages.bundle import BundleError
     from stages.checkpoint import CheckpointError
+    from stages.runner import RunnerError
     from stages.verify import VerifyError, run_verify
 
     try:
         report = run_verify(obj.config, obj.workdir, obj.checkpoint_dir(), prompt, max_new_tokens)
-    except (VerifyError, BundleError, CheckpointError) as e:
+    except (VerifyError, BundleError, CheckpointError, RunnerError) as e:
         raise UserError(str(e)) from None
     fig = report["figures"]
     click.echo(f"prompt: {prompt}")

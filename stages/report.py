@@ -15,6 +15,7 @@ import platform
 import resource
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -323,18 +324,34 @@ def stage_output(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(out_dir.parent, out_dir.name)
     require_free(out_dir.parent, need_bytes, f"the {stage} stage's output")
-    tmp = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    # The partial folder holds the output being written and a scratch folder beside it; its lock
+    # tells a live run's partial folder from a killed one's.
+    partial = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir()
+    lock = _lock(partial)
+    tmp, scratch = partial / out_dir.name, partial / "scratch"
     tmp.mkdir()
-    lock = _lock(tmp)
+    scratch.mkdir()
     started = time.time()
     cpu0 = time.process_time()
     run = StageRun(stage=stage, dir=tmp)
+    # Libraries' own temporary files (onnxruntime's quantizer keeps whole model copies there) go to
+    # the scratch folder, so that a killed run leaves nothing elsewhere.
+    saved_tmp = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = str(scratch)
     try:
         try:
             described = describe_inputs(inputs, root)
-            yield run
+            try:
+                yield run
+            finally:
+                tempfile.tempdir = saved_tmp[0]
+                if saved_tmp[1] is None:
+                    os.environ.pop("TMPDIR", None)
+                else:
+                    os.environ["TMPDIR"] = saved_tmp[1]
             report = {
                 "stage": stage,
                 "inputs": described,
@@ -347,14 +364,13 @@ def stage_output(
                 "figures": run.figures,
             }
             write_json_atomic(tmp / REPORT_NAME, redact(report))
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        if out_dir.exists():
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            if out_dir.exists():
+                os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     finally:
         os.close(lock)
 
