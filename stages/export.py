@@ -173,7 +173,8 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
         specs = graph_specs(geo, cfg, parts)
     except (PartitionError, ValueError) as e:
         raise ExportError(str(e)) from None
-    too_big = [p for p in make_plan(geo, cfg).parts if p.bytes >= CONTEXT_LIMIT_BYTES]
+    plan = make_plan(geo, cfg)
+    too_big = [p for p in plan.parts if p.bytes >= CONTEXT_LIMIT_BYTES]
     if too_big:
         raise ExportError(
             f"{too_big[0].name} would hold {too_big[0].bytes / 1e9:.2f} GB of weights at {cfg.precision}, "
@@ -189,8 +190,8 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     inputs = [checkpoint_dir / "config.json", *weight_files]
     from stages.decoder import matmul_layout, part_weight_names
 
-    # Each graph holds its part's weights in float32; the LUTs are at most 16-bit.
-    need = 4 * sum(t.numel for t in geo.all_tensors()) * len(specs) // len(parts)
+    # Each graph holds its part's weights in float32 (E2B: 18.2 GB of graphs + 3.2 GB of LUTs).
+    need = 4 * sum(p.params for p in plan.parts) * len(specs) // len(parts) + sum(plan.luts.values())
     with stage_output("export", out_dir, inputs, options, root=workdir, need_bytes=need) as run:
         graphs: list[dict[str, Any]] = []
         progress = tqdm(total=len(specs), desc="export graphs", unit="graph")
