@@ -42,6 +42,7 @@ from stages.graphs import Binary, binary_layout, qdq_file_name
 from stages.quiet import call_without_native_noise
 from stages.report import (
     REPORT_NAME,
+    check_inputs,
     proc_field_bytes,
     process_peak_rss_bytes,
     read_report,
@@ -476,11 +477,14 @@ def run_compile(
 
     soc = cfg.soc_info
     q_dir, q_report, sources = _load_quantized(cfg, workdir)
+    check_inputs(workdir, [q_dir])
     layout = binary_layout(cfg)
     out_dir = workdir / "compiled"
     options = {"model": cfg.model, "soc": cfg.soc, **{k: getattr(cfg, k) for k in stage_fields("compile")}}
     inputs = [q_dir / REPORT_NAME, *sources.values()]
-    with stage_output("compile", out_dir, inputs, options, root=workdir) as run:
+    # Prepared copies of the graphs, then binaries of about their size.
+    need = 2 * sum(f.stat().st_size for s in sources.values() for f in s.parent.glob(f"{s.name}*"))
+    with stage_output("compile", out_dir, inputs, options, root=workdir, need_bytes=need) as run:
         prepared_dir = run.dir / ".prepared"
         prepared_dir.mkdir()
         paths, models, encodings = prepare_graphs(sources, prepared_dir)

@@ -146,6 +146,22 @@ def stage_fields(stage: str) -> list[str]:
     return [f.name for f in fields(PipelineConfig) if f.metadata["stage"] == stage]
 
 
+def stage_key(cfg: PipelineConfig, stage: str) -> dict[str, Any]:
+    """The config fields a stage's output depends on: its own and every earlier stage's."""
+    upto = STAGES[: STAGES.index(stage) + 1]
+    return {k: getattr(cfg, k) for s in upto for k in stage_fields(s)}
+
+
+def stamp_name(cfg: PipelineConfig, stage: str) -> str:
+    """The file name of the stamp that says `stage` finished for this config (see report.write_stamp):
+    keyed by the hash of stage_key, so another config's run neither removes nor reuses it."""
+    import hashlib
+    import json
+
+    key = hashlib.sha256(json.dumps(stage_key(cfg, stage), sort_keys=True).encode()).hexdigest()[:12]
+    return f"download-{cfg.checkpoint_name}-{key}.json" if stage == "download" else f"{stage}-{key}.json"
+
+
 _QAIRT_VERSION = re.compile(r"^\d+\.\d+$")
 
 
@@ -267,17 +283,35 @@ def load_config(
     return validate(PipelineConfig(**values))
 
 
+def main(argv: list[str], environ: dict[str, str]) -> str:
+    """`python3 -m stages.config --preset P [--<field> V]... [--from DIR]`: the model (named after DIR
+    when no model is given), its checkpoint folder name and the stamp names of the stages that have
+    one, on one line. The Makefile needs them to name its targets before any image exists (this module
+    is stdlib-only); it passes the same options as to `g4v69`, and G4V69_<FIELD> variables count as
+    they do for `g4v69`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python3 -m stages.config")
+    parser.add_argument("--preset", default=environ.get("G4V69_PRESET") or DEFAULT_PRESET)
+    parser.add_argument("--from", dest="from_dir")
+    for name in FIELD_NAMES:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name)
+    args = vars(parser.parse_args(argv))
+    preset = args.pop("preset")
+    from_dir = args.pop("from_dir")
+    overrides = {k: environ.get(f"G4V69_{k.upper()}") or None for k in FIELD_NAMES}
+    overrides.update({k: v for k, v in args.items() if v is not None})
+    if not overrides.get("model") and from_dir:
+        overrides["model"] = model_name_from_dir(from_dir)
+    cfg = load_config(preset, overrides)
+    return " ".join([cfg.model, cfg.checkpoint_name] + [stamp_name(cfg, s) for s in STAGES[:-1]])
+
+
 if __name__ == "__main__":
-    # `python3 -m stages.config PRESET [MODEL [FROM]]` prints the model and its checkpoint folder name
-    # (MODEL named after FROM when empty). The Makefile needs them to name the download stage's output
-    # before any image exists; this module is stdlib-only.
+    import os
     import sys
 
-    preset, model, from_dir = (sys.argv[1:] + ["", "", ""])[:3]
     try:
-        if not model and from_dir:
-            model = model_name_from_dir(from_dir)
-        cfg = load_config(preset, {"model": model or None})
-        print(cfg.model, cfg.checkpoint_name)
+        print(main(sys.argv[1:], dict(os.environ)))
     except ConfigError as e:
         sys.exit(f"error: {e}")

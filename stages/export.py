@@ -27,7 +27,7 @@ from stages.checkpoint import Checkpoint
 from stages.config import PipelineConfig, stage_fields
 from stages.contract import ATTENTION_MASK_MIN, GraphSpec, graph_specs
 from stages.geometry import Geometry
-from stages.report import REPORT_NAME, read_report, stage_output
+from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
 from stages.runner import LutSpec
 
 OPSET = 23
@@ -161,12 +161,13 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     from tqdm import tqdm
 
     from stages.graphs import PartitionError
-    from stages.plan import over_context_limit, part_layers
+    from stages.plan import make_plan, over_context_limit, part_layers
 
     if read_report(checkpoint_dir) is None:
         raise ExportError(
             f"{checkpoint_dir} is not a complete download (no {REPORT_NAME}); run `make download` first"
         )
+    check_inputs(workdir, [checkpoint_dir])
     ckpt = Checkpoint(checkpoint_dir)
     geo = ckpt.geometry
     try:
@@ -188,7 +189,10 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     inputs = [checkpoint_dir / "config.json", *weight_files]
     from stages.decoder import matmul_layout, part_weight_names
 
-    with stage_output("export", out_dir, inputs, options, root=workdir) as run:
+    # Each graph holds its part's weights in float32 (E2B: 18.2 GB of graphs + 3.2 GB of LUTs).
+    plan = make_plan(geo, cfg)
+    need = 4 * sum(p.params for p in plan.parts) * len(specs) // len(parts) + sum(plan.luts.values())
+    with stage_output("export", out_dir, inputs, options, root=workdir, need_bytes=need) as run:
         graphs: list[dict[str, Any]] = []
         progress = tqdm(total=len(specs), desc="export graphs", unit="graph")
         for p in range(len(parts)):

@@ -49,7 +49,7 @@ from stages.contract import (
 from stages.encoding import Encoding
 from stages.graphs import qdq_file_name
 from stages.precision import INT8_CHANNEL
-from stages.report import REPORT_NAME, read_report, stage_output
+from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
 
 # Ops that move or regroup values without changing them: a tensor and its image share an encoding.
 ENCODING_PRESERVING = {"Concat", "Slice", "Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze"}
@@ -1002,13 +1002,18 @@ def quantize_graphs(
         qcfg, analysis, reader = setup.qcfg, setup.analysis, setup.reader
         dest = out_dir / qdq_file_name(spec.name)
         t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="g4v69-calibration-") as tmp:
+        # Scratch inside this stage's own folder; onnxruntime writes a shape-inferred copy next to
+        # the graph it reads, so it reads the graph through links there, never in exported/.
+        with tempfile.TemporaryDirectory(prefix=".calibration-", dir=out_dir) as tmp:
             ranges_file = Path(tmp) / "ranges.json"
-            calibrate(src, qcfg, ranges_file, Path(tmp))
+            for f in src.parent.glob(f"{src.name}*"):
+                (Path(tmp) / f.name).symlink_to(f.resolve())
+            linked = Path(tmp) / src.name
+            calibrate(linked, qcfg, ranges_file, Path(tmp))
             # The float chain's sessions fed the calibration; the quantizer needs none of them.
             runner.release("prefill")
             runner.release("decode")
-            quantize_with_ranges(src, dest, qcfg, ranges_file)
+            quantize_with_ranges(linked, dest, qcfg, ranges_file)
         if cfg.precision_info.decoder_weights != INT8_CHANNEL:
             rewrite_weights(cfg, src, dest)
         qmodel = onnx.load(str(dest), load_external_data=False)
@@ -1112,6 +1117,7 @@ def run_quantize(
         raise QuantizeError(
             f"{export_dir} is incomplete: {', '.join(missing)} missing; run `make export` again"
         )
+    check_inputs(workdir, [export_dir, checkpoint_dir])
     from stages.checkpoint import Checkpoint
 
     tok = ChatTokenizer(checkpoint_dir)
@@ -1127,7 +1133,10 @@ def run_quantize(
     out_dir = workdir / "quantized"
     options = {"model": cfg.model, **{k: getattr(cfg, k) for k in stage_fields("quantize")}}
     inputs = [export_dir / REPORT_NAME] + [export_dir / g["onnx"] for g in report["figures"]["graphs"]]
-    with stage_output("quantize", out_dir, inputs, options, root=workdir) as run:
+    # QDQ graphs at the weight bits, plus one float graph's calibration copies at a time.
+    graph_bytes = [g["bytes"] for g in report["figures"]["graphs"]]
+    need = sum(graph_bytes) * cfg.precision_info.weight_bits // 32 + 2 * max(graph_bytes)
+    with stage_output("quantize", out_dir, inputs, options, root=workdir, need_bytes=need) as run:
 
         def quantize_with(policy_cfg: PipelineConfig, out: Path) -> QuantizedGraphs:
             return _guarded(
@@ -1155,7 +1164,7 @@ def run_quantize(
         quality = {cfg.ple_policy: _quality(cfg, export_dir, main, eval_samples, decode_steps)}
         if compare_ple_policies:
             for policy in (p for p in ("float16", "int16", "int8") if p != cfg.ple_policy):
-                with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+                with tempfile.TemporaryDirectory(dir=run.dir) as tmp:
                     other = quantize_with(dataclasses.replace(cfg, ple_policy=policy), Path(tmp))
                     quality[policy] = {
                         **_quality(cfg, export_dir, other, eval_samples, decode_steps),

@@ -23,7 +23,7 @@ from stages.config import PipelineConfig, stage_fields
 from stages.contract import CACHE_PREFIX, INPUTS_EMBEDS, MASK_NAME, PER_LAYER_INPUTS
 from stages.geometry import FULL, SLIDING
 from stages.graphs import qdq_file_name
-from stages.report import REPORT_NAME, read_report, stage_output
+from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
 
 LUT_BYTES = {"ufixed8": 1, "ufixed16": 2}
 
@@ -151,6 +151,7 @@ def run_verify(
     compiled = read_report(compiled_dir)
     if read_report(bundle_dir) is None or compiled is None:
         raise VerifyError(f"{bundle_dir} holds no finished bundle; run `make bundle` first")
+    check_inputs(workdir, [bundle_dir, quantized_dir, checkpoint_dir])
     geo = Checkpoint(checkpoint_dir).geometry
     problems = check_bundle(bundle_dir, quantized_dir, compiled, geo)
     if problems:

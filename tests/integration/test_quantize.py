@@ -15,7 +15,7 @@ from stages.download import run_download
 from stages.encoding import Encoding
 from stages.export import run_export
 from stages.quantize import QuantizeError, analyse, audit, lut_input_encodings, run_quantize
-from stages.report import read_report
+from stages.report import IntegrityError, read_report
 from stages.runner import HostRunner
 
 pytestmark = pytest.mark.slow
@@ -148,8 +148,9 @@ def test_a_corrupt_or_incomplete_export_fails_cleanly(exported, tmp_path):
     work = tmp_path / "work"
     shutil.copytree(exported, work, symlinks=True)
     graph = next((work / "exported").glob("decode_*part2*.onnx"))
+    size = graph.stat().st_size
     graph.write_bytes(graph.read_bytes()[:1000])
-    with pytest.raises(QuantizeError, match="run `make export` again"):
+    with pytest.raises(IntegrityError, match=f"has 1000 bytes, export wrote {size}; run `make export` again"):
         run_quantize(load_config("tiny"), work, work / "checkpoints" / "tiny")
     graph.unlink()
     with pytest.raises(QuantizeError, match="missing; run `make export` again"):

@@ -143,11 +143,11 @@ def test_the_makefile_helper_prints_the_model_and_its_folder(tmp_path):
     def helper(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "stages.config", *args], capture_output=True, text=True)
 
-    assert helper("default", "", str(tmp_path / "Mm")).stdout == "Mm mm\n"
-    assert helper("default", "google/gemma-4-E2B-it", str(tmp_path / "Mm")).stdout.split() == [
+    assert helper("--from", str(tmp_path / "Mm")).stdout.split()[:2] == ["Mm", "mm"]
+    assert helper("--model", "google/gemma-4-E2B-it", "--from", str(tmp_path / "Mm")).stdout.split()[:2] == [
         "google/gemma-4-E2B-it",
         "gemma-4-e2b-it",
     ]
-    assert helper("tiny").stdout == "tiny tiny\n"
-    bad = helper("default", "", str(tmp_path / "a b"))
+    assert helper("--preset", "tiny").stdout.split()[:2] == ["tiny", "tiny"]
+    bad = helper("--from", str(tmp_path / "a b"))
     assert bad.returncode == 1 and "set MODEL" in bad.stderr
