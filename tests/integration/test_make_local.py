@@ -30,9 +30,10 @@ def test_make_quantize_tiny_with_the_local_runner(tmp_path):
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "quantized" / "report.json").read_text())
-    assert len(report["figures"]["graphs"]) == 8  # default preset geometry: 4 parts x 2 graphs
+    # default preset geometry: 4 parts x one graph kind (AR-1, README "Fitting the target")
+    assert len(report["figures"]["graphs"]) == 4
 
-    # The default geometry (context 2048, AR-128, 4 parts) compiles for v69: 8 binaries.
+    # The default geometry (context 2048, AR-1, 4 parts, w4a16) compiles for v69: 4 binaries.
     c = make(
         "compile",
         "MODEL=tiny",
@@ -42,7 +43,7 @@ def test_make_quantize_tiny_with_the_local_runner(tmp_path):
     )
     assert c.returncode == 0, c.stdout[-3000:] + c.stderr[-3000:]
     compiled = json.loads((tmp_path / "compiled" / "report.json").read_text())["figures"]
-    assert len(compiled["binaries"]) == 8 and {b["arch"] for b in compiled["binaries"]} == {69}
+    assert len(compiled["binaries"]) == 4 and {b["arch"] for b in compiled["binaries"]} == {69}
 
 
 def test_make_compile_with_aihub_against_the_double(tmp_path):
