@@ -77,9 +77,9 @@ def test_bundle_holds_what_genie_needs_and_a_true_manifest(sm8450):
     manifest = json.loads((bundle / "manifest.json").read_text())
     names = {f["path"] for f in manifest["files"]}
     assert names == {
-        "prefill_ar16_part1_of_2.bin",
+        "prefill_ar8_part1_of_2.bin",
         "decode_ar1_part1_of_2.bin",
-        "prefill_ar16_part2_of_2.bin",
+        "prefill_ar8_part2_of_2.bin",
         "decode_ar1_part2_of_2.bin",
         "embedding_ufixed16.bin",
         "per_layer_embedding_ufixed8.bin",

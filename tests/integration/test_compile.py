@@ -35,9 +35,9 @@ def test_tiny_model_compiles_to_v69_binaries(sm8450):
     assert fig["backend"]["name"] == "local" and fig["backend"]["qairt_version"].startswith("2.51.")
     # v69: no weight sharing, so prefill and decode of each part are separate binaries, part 1 first.
     assert [b["file"] for b in fig["binaries"]] == [
-        "prefill_ar16_part1_of_2.bin",
+        "prefill_ar8_part1_of_2.bin",
         "decode_ar1_part1_of_2.bin",
-        "prefill_ar16_part2_of_2.bin",
+        "prefill_ar8_part2_of_2.bin",
         "decode_ar1_part2_of_2.bin",
     ]
     for b in fig["binaries"]:
@@ -66,19 +66,19 @@ def test_binary_io_is_quantized_with_the_pinned_encodings(sm8450):
                 else:
                     assert enc["dtype"] == "uint16", (name, tensor)
     # The embedding input reads the LUT's bytes as they are.
-    emb = graphs["prefill_ar16_part1_of_2"]["inputs"]["inputs_embeds"]
+    emb = graphs["prefill_ar8_part1_of_2"]["inputs"]["inputs_embeds"]
     assert emb["offset"] == luts["embedding"]["offset"]
     assert emb["scale"] == pytest.approx(luts["embedding"]["scale"], rel=1e-6)
     # Part 1's hidden-state output is part 2's input, byte for byte, in prefill and decode.
     (hidden,) = [
-        t for t in graphs["prefill_ar16_part1_of_2"]["outputs"] if t.startswith("hidden_states_layer")
+        t for t in graphs["prefill_ar8_part1_of_2"]["outputs"] if t.startswith("hidden_states_layer")
     ]
     encs = [
         {k: v for k, v in graphs[g][d][hidden].items() if k != "shape"}
         for g, d in [
-            ("prefill_ar16_part1_of_2", "outputs"),
+            ("prefill_ar8_part1_of_2", "outputs"),
             ("decode_ar1_part1_of_2", "outputs"),
-            ("prefill_ar16_part2_of_2", "inputs"),
+            ("prefill_ar8_part2_of_2", "inputs"),
             ("decode_ar1_part2_of_2", "inputs"),
         ]
     ]
@@ -94,7 +94,7 @@ def test_v73_soc_gets_one_weight_shared_binary_per_part(quantized_tiny, tmp_path
     for b in fig["binaries"]:
         assert (b["soc_type"], b["arch"], b["weight_shared"]) == ("SM8550", 73, True)
         assert [g["name"] for g in b["graphs"]] == [
-            f"prefill_ar16_part{b['part']}_of_2",
+            f"prefill_ar8_part{b['part']}_of_2",
             f"decode_ar1_part{b['part']}_of_2",
         ]
         kv = [e for g in b["graphs"] for t, e in g["io"]["inputs"].items() if "_key_" in t]
@@ -189,11 +189,11 @@ def test_a_node_the_htp_cannot_take_fails_the_compile_by_name(tmp_path):
 
 def test_layout_follows_the_soc_table():
     v69 = binary_layout(load_config("tiny"))
-    assert [b.graphs for b in v69][:2] == [("prefill_ar16_part1_of_2",), ("decode_ar1_part1_of_2",)]
+    assert [b.graphs for b in v69][:2] == [("prefill_ar8_part1_of_2",), ("decode_ar1_part1_of_2",)]
     v75 = binary_layout(load_config("tiny", {"soc": "SM8650"}))
     assert [(b.file, b.weight_shared) for b in v75] == [("part1_of_2.bin", True), ("part2_of_2.bin", True)]
     one_size = binary_layout(dataclasses.replace(load_config("tiny"), decode_ar=16))
-    assert [b.file for b in one_size] == ["prefill_ar16_part1_of_2.bin", "prefill_ar16_part2_of_2.bin"]
+    assert [b.file for b in one_size] == ["prefill_ar8_part1_of_2.bin", "prefill_ar8_part2_of_2.bin"]
 
 
 def test_binaries_are_byte_identical_across_work_folders(sm8450, tmp_path):
