@@ -18,11 +18,13 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 from stages.config import PipelineConfig, stage_fields
-from stages.contract import CACHE_PREFIX, INPUTS_EMBEDS, MASK_NAME, PER_LAYER_INPUTS, ROPE_PREFIX
+from stages.contract import CACHE_PREFIX, LUT_INPUTS, MASK_NAME, ROPE_PREFIX
+from stages.encoding import COPY, Encoding, feed_mode, shared_tensor_mismatches
 from stages.geometry import FULL, SLIDING
 from stages.report import REPORT_NAME, read_report, sha256_file, stage_output
 
@@ -226,10 +228,38 @@ def schema_errors(value: Any, schema: dict[str, Any], where: str = "") -> list[s
     return errors
 
 
+def lut_feeds(genie: dict[str, Any], io: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """How Genie fills each LUT-fed graph input of each graph from the config's LUT
+    (`stages.encoding.feed_mode`): "copy", "requantize", or None (it cannot)."""
+    d = genie["dialog"]
+    feeds = []
+    for tensor, lut_key in LUT_INPUTS.items():
+        section = d.get(GENIE_LUT_KEYS[lut_key])
+        if section is None:
+            continue
+        lut = Encoding(section["datatype"], section["quant-param"]["scale"], section["quant-param"]["offset"])
+        for graph, gio in io.items():
+            if tensor in gio["inputs"]:
+                enc = Encoding.of_io(gio["inputs"][tensor])
+                feeds.append(
+                    {
+                        "lut": GENIE_LUT_KEYS[lut_key],
+                        "tensor": tensor,
+                        "graph": graph,
+                        "lut_encoding": lut.describe(),
+                        "input_encoding": enc.describe(),
+                        "mode": feed_mode(lut, enc),
+                    }
+                )
+    return feeds
+
+
 def consistency_errors(
     genie: dict[str, Any], files: dict[str, Path], io: dict[str, dict[str, dict[str, Any]]]
 ) -> list[str]:
-    """What the schema cannot see: the files and tensors the config names must exist and agree."""
+    """What the schema cannot see: the files and tensors the config names must exist and agree, Genie
+    must be able to feed every LUT-fed input from its LUT, and every tensor several graphs share must
+    have one encoding (what Genie checks when it loads the binaries)."""
     d = genie["dialog"]
     errors = []
     for name in d["engine"]["model"]["binary"]["ctx-bins"]:
@@ -241,8 +271,8 @@ def consistency_errors(
             errors.append(f"cache group prefix {group['prefix']!r} matches no graph input")
         if group["attention-mask-tensor-name"] not in inputs:
             errors.append(f"attention mask {group['attention-mask-tensor-name']!r} is no graph input")
-    embeds = inputs.get(INPUTS_EMBEDS)
-    for key, tensor in (("embedding", INPUTS_EMBEDS), ("perlayer-embedding", PER_LAYER_INPUTS)):
+    for tensor, lut_key in LUT_INPUTS.items():
+        key = GENIE_LUT_KEYS[lut_key]
         lut = d.get(key)
         if lut is None:
             continue
@@ -265,13 +295,16 @@ def consistency_errors(
             width *= n
         if width != lut["size"]:
             errors.append(f"{key} size {lut['size']} != {tensor} width {width}")
-    if embeds and embeds.get("scale") is not None:
-        lut = d["embedding"]["quant-param"]
-        if embeds["offset"] != lut["offset"] or abs(embeds["scale"] - lut["scale"]) > 1e-6 * lut["scale"]:
+    for feed in lut_feeds(genie, io):
+        if feed["mode"] is None:
             errors.append(
-                f"{INPUTS_EMBEDS} is quantized with scale {embeds['scale']} offset {embeds['offset']}, the "
-                f"embedding LUT with {lut['scale']} / {lut['offset']}: quantize again with this version"
+                f"{feed['graph']}: Genie cannot feed graph input {feed['tensor']} ({feed['input_encoding']}) "
+                f"from the {feed['lut']} LUT ({feed['lut_encoding']}): it copies a LUT of the input's exact "
+                "encoding or requantizes fixed-point to fixed-point of the same signedness, nothing else; "
+                "quantize again with this version (it reads LUT-fed inputs with their LUT's encoding)"
             )
+    prefixes = tuple(group["prefix"] for group in d["engine"]["cache-groups"])
+    errors += shared_tensor_mismatches(io, prefixes)
     return errors
 
 
@@ -365,6 +398,15 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
         problems += genie_says or []
     if problems:
         raise BundleError("the rendered configs are wrong:\n  " + "\n  ".join(problems))
+    feeds = lut_feeds(genie, io)
+    for feed in feeds:
+        if feed["mode"] != COPY:
+            # Allowed (Genie requantizes each row it looks up), but not what quantize makes: say so.
+            print(
+                f"warning: {feed['graph']}: Genie will requantize the {feed['lut']} LUT "
+                f"({feed['lut_encoding']}) into {feed['tensor']} ({feed['input_encoding']}) on every lookup",
+                file=sys.stderr,
+            )
 
     tok_cfg_path = checkpoint_dir / TOKENIZER_CONFIG
     tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
@@ -417,6 +459,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
                 "files": len(manifest["files"]),
                 "bytes": sum(f["bytes"] for f in manifest["files"]),
                 "manifest_sha256": sha256_file(run.dir / MANIFEST),
+                "lut_feeds": feeds,
                 "genie_validator": "libGenie.so (onnxruntime-qnn)" if _has_genie() else "not available here",
             }
         )

@@ -4,13 +4,15 @@ Three steps, whichever backend builds the binaries:
 
 1. prepare: the Q/DQ pairs at the graph boundary are folded into the graph's I/O, so each binary
    takes and returns the quantized tensors Genie moves (uint16 activations, uint8 KV on v69) with
-   the encodings the quantize stage pinned; float I/O (the float16 PLE policy's per-layer inputs)
-   stays float.
+   the encodings the quantize stage pinned (both LUT-fed inputs, `inputs_embeds` and
+   `per_layer_inputs`, with their LUT's exact encoding, whatever the PLE policy); float I/O (the
+   float16 PLE policy's `per_layer_embeds` between parts) stays float.
 2. rules check (`check_rules`): what the SoC table says the target cannot do is refused here, with
    the offending nodes listed, before anyone waits on a compiler: activation x activation MatMuls
    with two 16-bit sides without a 16x16 matmul (v69 silently inserts a Convert instead of failing),
    graphs linked into one binary without weight sharing, a binary over the context size limit, and
-   tensors crossing parts whose encodings differ between the producing and the consuming graph.
+   a tensor named by several graphs (crossing parts, or shared by prefill and decode) with different
+   encodings, which Genie refuses at load (`stages.encoding.shared_tensor_mismatches`).
 3. a backend: `local` runs onnxruntime-qnn's offline HTP preparation for the SoC's soc_model and
    htp_arch (CPU fallback off, so a node the HTP cannot take fails the compile and is named), one
    process per binary, as many at once as memory allows; `aihub` (stages/aihub.py) submits compile
@@ -26,7 +28,6 @@ import os
 import re
 import shutil
 import time
-from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -34,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from stages.config import PipelineConfig, stage_fields
-from stages.contract import CACHE_PREFIX, HIDDEN_PREFIX, KVSHARE_PREFIX, PER_LAYER_EMBEDS
+from stages.contract import CACHE_PREFIX
+from stages.encoding import shared_tensor_mismatches
 from stages.graphs import Binary, binary_layout, qdq_file_name
 from stages.plan import CONTEXT_LIMIT_BYTES
 from stages.report import (
@@ -66,8 +68,6 @@ EXTERNAL_DATA_BYTES = 1_900_000_000
 # peaked at 2 GB), plus a fixed overhead; used to decide how many graphs compile at once.
 COMPILE_RSS_PER_WEIGHT_BYTE = 4.5
 COMPILE_RSS_OVERHEAD = 600 << 20
-CROSS_PART = re.compile(rf"^(?:{HIDDEN_PREFIX}\d+|{PER_LAYER_EMBEDS}|{KVSHARE_PREFIX}(?:key|value)_\d+)$")
-CACHE_IO = re.compile(rf"^(?:{'|'.join(CACHE_PREFIX.values())})_(?:key|value)_\d+_h\d+_(?:in|out)$")
 
 
 class CompileError(ValueError):
@@ -230,23 +230,13 @@ def check_rules(
 
 
 def _cross_part_mismatches(encodings: dict[str, dict[str, dict[str, Encoding]]]) -> list[str]:
-    """A tensor that leaves one graph and enters another must be the same bytes on both sides."""
-    seen: dict[str, list[tuple[str, Encoding]]] = defaultdict(list)
-    for graph, io in encodings.items():
-        for direction in ("outputs", "inputs"):
-            for tensor, enc in io[direction].items():
-                if CROSS_PART.match(tensor):
-                    seen[tensor].append((graph, enc))
-    problems = []
-    for tensor, uses in sorted(seen.items()):
-        kinds = {(e.dtype, e.scale, e.offset) for _, e in uses}
-        if len(kinds) > 1:
-            detail = ", ".join(f"{g}: {e.dtype} scale={e.scale} offset={e.offset}" for g, e in uses)
-            problems.append(
-                f"{tensor} crosses parts with different encodings ({detail}); Genie passes it as raw "
-                "bytes: quantize again with this version (it pins cross-part encodings)"
-            )
-    return problems
+    """A tensor named by more than one graph (a part's output read by the next part, a cache, a mask,
+    a LUT-fed input shared by prefill and decode) must be the same bytes in all of them."""
+    io = {
+        g: {d: {t: e.to_dict() for t, e in ts.items()} for d, ts in gio.items()}
+        for g, gio in encodings.items()
+    }
+    return shared_tensor_mismatches(io, tuple(f"{p}_" for p in CACHE_PREFIX.values()))
 
 
 # ---- 3. local backend ----

@@ -126,6 +126,22 @@ def kvshare_name(donor: int, which: str) -> str:
 PER_LAYER_EMBEDS = "per_layer_embeds"
 INPUTS_EMBEDS = "inputs_embeds"
 PER_LAYER_INPUTS = "per_layer_inputs"
+# Graph inputs Genie fills from a host LUT, and the export report's key of that LUT.
+LUT_INPUTS = {INPUTS_EMBEDS: "embedding", PER_LAYER_INPUTS: "per_layer_embedding"}
+
+
+def constructed_input_ranges() -> dict[str, tuple[float, float]]:
+    """The value range of each input Genie computes itself (masks, RoPE tables), known by construction.
+
+    Quantize gives these one fixed range, so every graph (prefill and decode, every part) reads them
+    with one encoding: Genie keeps one buffer per tensor name and refuses to load graphs whose
+    encodings of a name differ."""
+    ranges = {MASK_NAME[kind]: (ATTENTION_MASK_MIN, 0.0) for kind in MASK_NAME}
+    for prefix in ROPE_PREFIX.values():
+        ranges |= {f"{prefix}position_ids_{f}": (-1.0, 1.0) for f in ("cos", "sin")}
+    return ranges
+
+
 KVSHARE_PREFIX = "kvshare_"
 
 

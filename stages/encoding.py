@@ -71,6 +71,21 @@ class Encoding:
             return Encoding(datatype)
         return Encoding(datatype, float(scale), -int(zero_point or 0))
 
+    @staticmethod
+    def of_lut(lut: dict[str, Any]) -> Encoding:
+        """A LUT as the export report records it (`bits`, `scale`, `offset`; always unsigned)."""
+        return Encoding(f"ufixed{lut['bits']}", float(lut["scale"]), int(lut["offset"]))
+
+    @staticmethod
+    def of_io(io: dict[str, Any]) -> Encoding:
+        """A graph I/O tensor as compiled/report.json records it (`dtype` a numpy name, `scale`, `offset`)."""
+        datatype = next((k for k, v in {**FIXED_TYPES, **FLOAT_TYPES}.items() if v == io["dtype"]), None)
+        if datatype is None:
+            raise EncodingError(f"dtype {io['dtype']!r} has no QNN datatype")
+        if datatype in FLOAT_TYPES:
+            return Encoding(datatype)
+        return Encoding(datatype, float(io["scale"]), int(io["offset"]))
+
     def describe(self) -> str:
         if not self.is_fixed:
             return self.datatype
@@ -119,3 +134,46 @@ def feed(rows: np.ndarray, lut: Encoding, graph_input: Encoding) -> np.ndarray:
     if mode == COPY:
         return np.asarray(rows, dtype=graph_input.numpy_dtype)
     return graph_input.quantize(lut.dequantize(rows))
+
+
+def shared_tensor_mismatches(
+    io: dict[str, dict[str, dict[str, dict[str, Any]]]],
+    cache_prefixes: tuple[str, ...],
+    skip: frozenset[str] = frozenset({"logits"}),
+) -> list[str]:
+    """Tensors named in more than one graph whose encodings differ, one line each (empty: none).
+
+    `io` is {graph: {"inputs": {tensor: desc}, "outputs": {...}}} with compiled/report.json's tensor
+    descriptions. Genie checks this when it loads the binaries (Genie's `qualla` QnnNspModel model
+    validation, "Quantization parameter match": every tensor name across all graphs, a cache input
+    `{prefix}..._in` counted as its `_out`, the logits output skipped, must have one scale and
+    offset, else "Non-identical quantization parameters found for the same tensor" and the dialog
+    fails to load), because it binds one buffer to every graph that names the tensor and hands part
+    outputs to the next part as raw bytes. The datatype is compared too: raw bytes of another width
+    are another tensor.
+    """
+    seen: dict[str, list[tuple[str, Encoding]]] = {}
+    for graph, tensors in io.items():
+        for direction in ("inputs", "outputs"):
+            for name, desc in tensors.get(direction, {}).items():
+                if name in skip:
+                    continue
+                key = name
+                if name.endswith("_in") and name.startswith(cache_prefixes):
+                    key = name[: -len("_in")] + "_out"
+                seen.setdefault(key, []).append((f"{graph} {direction[:-1]} {name}", Encoding.of_io(desc)))
+    problems = []
+    for key, uses in sorted(seen.items()):
+        found: dict[Encoding, list[str]] = {}
+        for where, enc in uses:
+            found.setdefault(enc, []).append(where)
+        if len(found) > 1:
+            detail = "; ".join(
+                f"{enc.describe()} in {', '.join(w[:2])}{' ...' * (len(w) > 2)}" for enc, w in found.items()
+            )
+            problems.append(
+                f"{key} has {len(found)} encodings across the graphs ({detail}); Genie binds one buffer per "
+                "tensor name and passes it between graphs as raw bytes (it refuses to load such binaries): "
+                "quantize again with this version (it pins shared tensors to one encoding)"
+            )
+    return problems

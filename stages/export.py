@@ -120,8 +120,10 @@ def export_graph(geo: Geometry, spec: GraphSpec, weights: dict, path: Path) -> d
 
 
 def _encoding(lo: float, hi: float, bits: int) -> tuple[float, int]:
+    """A scale that is exactly a float32 (graph tensors hold float32 scales, and Genie copies LUT rows
+    into a graph input only when the LUT's scale in genie_config.json equals the input's exactly)."""
     qmax = (1 << bits) - 1
-    scale = (hi - lo) / qmax if hi > lo else 1.0
+    scale = float(np.float32((hi - lo) / qmax)) if hi > lo else 1.0
     return scale, int(round(lo / scale))
 
 

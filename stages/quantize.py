@@ -11,6 +11,10 @@ a quality report.
   without requantizing. SoCs with a 16x16 matmul keep KV at `kv_cache_bits`.
 - The PLE policy: the in-graph per-layer-embedding paths stay float (float16 on the HTP; the default),
   or get int16 or int8 weights.
+- The inputs Genie fills from host LUTs (`inputs_embeds`, `per_layer_inputs`) are read with exactly
+  their LUT's encoding, whatever the PLE policy, so Genie copies LUT rows into them byte for byte
+  (it has no path from a fixed-point LUT into a float input: `stages.encoding`). Under the float16
+  policy the graph dequantizes `per_layer_inputs` right away and the PLE path after it stays float.
 - Calibration (MinMax) streams graph inputs from the float chain on real text (`stages.calibration`).
 
 Every quantized graph is audited (KV and activation-matmul bit widths, the PLE policy tensor by tensor,
@@ -35,12 +39,14 @@ from stages.config import PipelineConfig, stage_fields
 from stages.contract import (
     CACHE_PREFIX,
     HIDDEN_PREFIX,
-    INPUTS_EMBEDS,
     KVSHARE_PREFIX,
+    LUT_INPUTS,
     PER_LAYER_EMBEDS,
     PER_LAYER_INPUTS,
     GraphSpec,
+    constructed_input_ranges,
 )
+from stages.encoding import Encoding
 from stages.graphs import qdq_file_name
 from stages.report import REPORT_NAME, read_report, stage_output
 
@@ -243,7 +249,7 @@ def quant_settings(
     analysis: GraphAnalysis,
     ranges: CalibratedRanges,
     graph_tensors: set[str],
-    embedding_lut: dict[str, Any] | None,
+    luts: dict[str, dict[str, Any]],
 ) -> tuple[dict, list[str]]:
     """Tensor overrides and excluded nodes for one graph under the config's rules."""
     from onnxruntime.quantization import QuantType
@@ -267,26 +273,80 @@ def quant_settings(
             overrides[name] = [
                 {"quant_type": QuantType.QUInt16, "rmin": np.float32(lo), "rmax": np.float32(hi)}
             ]
-    if embedding_lut is not None and INPUTS_EMBEDS in graph_tensors:
-        # The graph reads embedding rows exactly as the LUT stores them (real = (q + offset) * scale),
-        # so Genie can copy rows into the input tensor without requantizing.
-        overrides[INPUTS_EMBEDS] = [
+    for name, (lo, hi) in constructed_input_ranges().items():
+        if name in graph_tensors:
+            overrides[name] = [
+                {"quant_type": QuantType.QUInt16, "rmin": np.float32(lo), "rmax": np.float32(hi)}
+            ]
+    for name, enc in lut_input_encodings(luts, graph_tensors).items():
+        # The graph reads LUT rows exactly as the LUT stores them (real = (q + offset) * scale), so
+        # Genie can copy rows into the input tensor without requantizing.
+        overrides[name] = [
             {
-                "quant_type": QuantType.QUInt16,
-                "scale": np.array(embedding_lut["scale"], dtype=np.float32),
-                "zero_point": np.array(-embedding_lut["offset"], dtype=np.uint16),
+                "quant_type": {"ufixed8": QuantType.QUInt8, "ufixed16": QuantType.QUInt16}[enc.datatype],
+                "scale": np.array(enc.scale, dtype=np.float32),
+                "zero_point": np.array(-enc.offset, dtype=enc.numpy_dtype),
             }
         ]
     excluded = analysis.ple_nodes if cfg.ple_policy == "float16" else []
     return overrides, excluded
 
 
+def lut_input_encodings(luts: dict[str, dict[str, Any]], graph_tensors: set[str]) -> dict[str, Encoding]:
+    """The encoding each LUT-fed input of a graph must have: its LUT's (export report `luts`)."""
+    return {
+        name: Encoding.of_lut(luts[key])
+        for name, key in LUT_INPUTS.items()
+        if key in luts and name in graph_tensors
+    }
+
+
+def read_lut_inputs_quantized(model, encodings: dict[str, Encoding]) -> list[str]:
+    """Make every LUT-fed graph input enter through a QuantizeLinear -> DequantizeLinear pair with its
+    LUT's encoding, where the quantizer left it float (it does when every reader of the input is an
+    excluded float node: the float16 PLE policy's `per_layer_inputs`). Compile folds the pair's
+    QuantizeLinear into the input, so the binary takes the LUT's bytes. Returns the inputs changed."""
+    from onnx import helper
+
+    g = model.graph
+    changed = []
+    for name, enc in encodings.items():
+        readers = [n for n in g.node if name in n.input]
+        if len(readers) == 1 and readers[0].op_type == "QuantizeLinear":
+            continue  # the quantizer did it (with the override's encoding; the audit checks it)
+        scale, zero_point = f"{name}_lut_scale", f"{name}_lut_zero_point"
+        g.initializer.extend(
+            [
+                helper.make_tensor(scale, 1, [], [float(np.float32(enc.scale))]),
+                helper.make_tensor(zero_point, {"uint8": 2, "uint16": 4}[enc.numpy_dtype], [], [-enc.offset]),
+            ]
+        )
+        quantized, dequantized = f"{name}_lut_quantized", f"{name}_lut_dequantized"
+        for n in readers:
+            n.input[:] = [dequantized if i == name else i for i in n.input]
+        pair = [
+            helper.make_node(
+                "QuantizeLinear", [name, scale, zero_point], [quantized], f"{name}_QuantizeLinear"
+            ),
+            helper.make_node(
+                "DequantizeLinear", [quantized, scale, zero_point], [dequantized], f"{name}_DequantizeLinear"
+            ),
+        ]
+        for k, node in enumerate(pair):
+            g.node.insert(k, node)
+        changed.append(name)
+    return changed
+
+
 # ---- audit ----
 ONNX_TYPE_NAMES = {1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 10: "float16", 7: "int64"}
 
 
-def audit(cfg: PipelineConfig, qmodel, analysis: GraphAnalysis) -> dict[str, Any]:
-    """Final types in a QDQ graph: KV operands, the PLE paths, and float tensors left behind."""
+def audit(
+    cfg: PipelineConfig, qmodel, analysis: GraphAnalysis, lut_inputs: dict[str, Encoding]
+) -> dict[str, Any]:
+    """Final types in a QDQ graph: KV operands, the PLE paths, float tensors left behind, and the
+    LUT-fed inputs (`lut_input_encodings`), each of which must be read with exactly its LUT's encoding."""
     import onnx
 
     graph = qmodel.graph
@@ -384,11 +444,30 @@ def audit(cfg: PipelineConfig, qmodel, analysis: GraphAnalysis) -> dict[str, Any
         problems.append(
             f"{len(leftover)} float inputs outside the PLE policy, e.g. {', '.join(leftover[:3])}"
         )
+    lut_fed = {}
+    for name, want in sorted(lut_inputs.items()):
+        readers = [n for n in graph.node if name in n.input]
+        q = readers[0] if len(readers) == 1 and readers[0].op_type == "QuantizeLinear" else None
+        got = None
+        if q is not None and len(q.input) > 2 and q.input[1] in inits and q.input[2] in inits:
+            zp = inits[q.input[2]]
+            got = Encoding.from_onnx(
+                zp.data_type,
+                float(onnx.numpy_helper.to_array(inits[q.input[1]])),
+                int(onnx.numpy_helper.to_array(zp)),
+            )
+        lut_fed[name] = {"lut": want.to_dict(), "input": got.to_dict() if got else "float32"}
+        if got != want:
+            problems.append(
+                f"{name} is read as {got.describe() if got else 'float32'}, its LUT is {want.describe()}: "
+                "Genie copies LUT rows only into an input of the LUT's exact encoding"
+            )
     return {
         "activation_matmuls": act,
         "kv_encodings": kv_encodings,
         "ple_tensors": ple,
         "float_leftovers": leftover,
+        "lut_inputs": lut_fed,
         "problems": problems,
     }
 
@@ -574,7 +653,7 @@ def graph_quant_config(
     spec: GraphSpec,
     src: Path,
     ranges: CalibratedRanges,
-    embedding_lut: dict[str, Any] | None,
+    luts: dict[str, dict[str, Any]],
     samples: list[list[int]],
     decode_steps: int,
     calibration_providers: list[str] | None = None,
@@ -591,7 +670,7 @@ def graph_quant_config(
     model = onnx.load(str(src), load_external_data=False)
     analysis = analyse(model)
     io_names = {t.name for t in (*model.graph.input, *model.graph.output)}
-    overrides, excluded = quant_settings(cfg, analysis, ranges, io_names, embedding_lut)
+    overrides, excluded = quant_settings(cfg, analysis, ranges, io_names, luts)
     expected = calls(samples, spec.role, runner.prefill_ar, decode_steps)
     reader = _FeedsReader(graph_feeds(runner, samples, spec.role, spec.part, decode_steps), expected)
     # onnxruntime wants the call count divisible by the stride: the largest divisor up to it.
@@ -638,7 +717,7 @@ def quantize_graphs(
     from stages.runner import HostRunner
 
     runner = HostRunner.from_export(export_dir, luts=True)
-    embedding_lut = read_report(export_dir)["figures"]["luts"].get("embedding")
+    luts = read_report(export_dir)["figures"]["luts"]
     ranges = calibrated_ranges(runner, samples)
     result = QuantizedGraphs(
         paths={},
@@ -653,7 +732,7 @@ def quantize_graphs(
             spec,
             src,
             ranges,
-            embedding_lut,
+            luts,
             samples,
             decode_steps,
             calibration_providers,
@@ -670,7 +749,12 @@ def quantize_graphs(
             runner.release("prefill")
             runner.release("decode")
             quantize_with_ranges(src, dest, qcfg, ranges_file)
-        checked = audit(cfg, onnx.load(str(dest), load_external_data=False), analysis)
+        qmodel = onnx.load(str(dest), load_external_data=False)
+        lut_inputs = lut_input_encodings(luts, {i.name for i in qmodel.graph.input})
+        if read_lut_inputs_quantized(qmodel, lut_inputs):
+            # Weights stay where they are: an external-data graph keeps its references to the same file.
+            onnx.save(qmodel, str(dest))
+        checked = audit(cfg, qmodel, analysis, lut_inputs)
         result.problems += [f"{spec.name}: {p}" for p in checked["problems"]]
         result.paths[spec.name] = dest
         result.figures.append(

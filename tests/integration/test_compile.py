@@ -59,16 +59,20 @@ def test_binary_io_is_quantized_with_the_pinned_encodings(sm8450):
     for name, io in graphs.items():
         for direction in ("inputs", "outputs"):
             for tensor, enc in io[direction].items():
-                if "_key_" in tensor or "_value_" in tensor:
+                if "_key_" in tensor or "_value_" in tensor or tensor == "per_layer_inputs":
                     assert enc["dtype"] == "uint8", (name, tensor)
-                elif tensor.startswith("per_layer_"):
+                elif tensor == "per_layer_embeds":
                     assert enc["dtype"] == "float32", (name, tensor)  # the float16 PLE policy
                 else:
                     assert enc["dtype"] == "uint16", (name, tensor)
-    # The embedding input reads the LUT's bytes as they are.
-    emb = graphs["prefill_ar8_part1_of_2"]["inputs"]["inputs_embeds"]
-    assert emb["offset"] == luts["embedding"]["offset"]
-    assert emb["scale"] == pytest.approx(luts["embedding"]["scale"], rel=1e-6)
+    # Both LUT-fed inputs read the LUT's bytes as they are (the float16 PLE policy's per-layer input
+    # too): the same datatype, offset and scale, to the bit, in prefill and decode.
+    for tensor, key in (("inputs_embeds", "embedding"), ("per_layer_inputs", "per_layer_embedding")):
+        for graph in ("prefill_ar8_part1_of_2", "decode_ar1_part1_of_2"):
+            enc = graphs[graph]["inputs"][tensor]
+            assert enc["dtype"] == f"uint{luts[key]['bits']}"
+            assert (enc["scale"], enc["offset"]) == (luts[key]["scale"], luts[key]["offset"])
+            assert np.float32(enc["scale"]) == enc["scale"]  # a float32, as the binary holds it
     # Part 1's hidden-state output is part 2's input, byte for byte, in prefill and decode.
     (hidden,) = [
         t for t in graphs["prefill_ar8_part1_of_2"]["outputs"] if t.startswith("hidden_states_layer")

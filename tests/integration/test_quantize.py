@@ -12,8 +12,10 @@ import pytest
 
 from stages.config import load_config
 from stages.download import run_download
+from stages.encoding import Encoding
 from stages.export import run_export
-from stages.quantize import QuantizeError, analyse, audit, run_quantize
+from stages.quantize import QuantizeError, analyse, audit, lut_input_encodings, run_quantize
+from stages.report import read_report
 from stages.runner import HostRunner
 
 pytestmark = pytest.mark.slow
@@ -85,7 +87,43 @@ def test_the_audit_catches_a_policy_that_was_not_applied(sm8450):
     g = report["figures"]["graphs"][0]
     model = onnx.load(str(work / "quantized" / g["qdq_onnx"]))
     analysis = analyse(onnx.load(str(export_dir / f"{g['name']}.onnx")))
-    assert audit(cfg, model, analysis)["problems"]
+    lut_inputs = lut_input_encodings(read_report(export_dir)["figures"]["luts"], {"per_layer_inputs"})
+    assert audit(cfg, model, analysis, lut_inputs)["problems"]
+
+
+def test_lut_fed_inputs_are_read_with_their_luts_exact_encoding(sm8450):
+    """Genie copies LUT rows into inputs_embeds and per_layer_inputs only if the graph reads them with the
+    LUT's own encoding (it has no path from a fixed-point LUT into a float input); the float16 policy's
+    per-layer input included."""
+    work, report = sm8450
+    luts = read_report(work / "exported")["figures"]["luts"]
+    seen = set()
+    for g in report["figures"]["graphs"]:
+        for tensor, found in g["audit"]["lut_inputs"].items():
+            key = {"inputs_embeds": "embedding", "per_layer_inputs": "per_layer_embedding"}[tensor]
+            assert found["input"] == found["lut"] == Encoding.of_lut(luts[key]).to_dict()
+            seen.add((g["name"].split("_")[0], tensor))
+    assert seen == {(r, t) for r in ("prefill", "decode") for t in ("inputs_embeds", "per_layer_inputs")}
+    assert luts["per_layer_embedding"]["bits"] == 8
+
+
+def test_the_audit_catches_a_float_per_layer_input(sm8450):
+    """The same graph with per_layer_inputs read as float (what the float16 policy made before) fails."""
+    work, report = sm8450
+    g = next(g for g in report["figures"]["graphs"] if "per_layer_inputs" in g["audit"]["lut_inputs"])
+    model = onnx.load(str(work / "quantized" / g["qdq_onnx"]))
+    nodes = model.graph.node
+    (q,) = [n for n in nodes if "per_layer_inputs" in n.input]
+    (dq,) = [n for n in nodes if q.output[0] in n.input]
+    for n in nodes:
+        n.input[:] = ["per_layer_inputs" if i == dq.output[0] else i for i in n.input]
+    nodes.remove(q)
+    nodes.remove(dq)
+    export_dir = work / "exported"
+    analysis = analyse(onnx.load(str(export_dir / f"{g['name']}.onnx")))
+    lut_inputs = lut_input_encodings(read_report(export_dir)["figures"]["luts"], {"per_layer_inputs"})
+    problems = audit(load_config("tiny"), model, analysis, lut_inputs)["problems"]
+    assert any(p.startswith("per_layer_inputs is read as float32, its LUT is ufixed8") for p in problems)
 
 
 def test_sm8650_may_keep_16_bit_kv(exported, tmp_path):
