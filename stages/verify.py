@@ -24,7 +24,7 @@ import numpy as np
 
 from stages.bundle import GENIE_CONFIG, MANIFEST, check_manifest
 from stages.config import PipelineConfig, stage_fields
-from stages.contract import CACHE_PREFIX, INPUTS_EMBEDS, MASK_NAME, PER_LAYER_INPUTS
+from stages.contract import CACHE_PREFIX, INPUTS_EMBEDS, MASK_NAME, PER_LAYER_INPUTS, ROPE_PREFIX
 from stages.geometry import FULL, SLIDING
 from stages.graphs import qdq_file_name
 from stages.report import REPORT_NAME, read_report, stage_output
@@ -83,7 +83,7 @@ def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: dict[str, Any]
 
     def expect(what: str, got: Any, want: Any) -> None:
         if got != want:
-            problems.append(f"genie_config.json {what} is {got}, the graphs say {want}")
+            problems.append(f"genie_config.json {what} is {got}, the graphs and the model say {want}")
 
     expect("context.size", genie["context"]["size"], inputs[MASK_NAME[FULL]][-1])
     expect("context.n-vocab", genie["context"]["n-vocab"], outputs["logits"][-1])
@@ -107,6 +107,21 @@ def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: dict[str, Any]
         if attention == SLIDING:
             window = group["longcontext"]["sliding-window"]["window-size"]
             expect("sliding window-size", window, geo.sliding_window)
+    ropes = genie["engine"]["model"].get("positional-encoding", [])
+    ropes = {r.get("prefix", ""): r for r in (ropes if isinstance(ropes, list) else [ropes])}
+    for attention in (FULL, SLIDING):
+        prefix = ROPE_PREFIX[attention]
+        params = geo.config["rope_parameters"][attention]
+        rope = ropes.get(prefix)
+        if rope is None:
+            problems.append(f"genie_config.json has no positional-encoding for {prefix or 'the global'} RoPE")
+            continue
+        where = f"positional-encoding {prefix or '(global)'}"
+        expect(f"{where} rope-theta", rope["rope-theta"], params["rope_theta"])
+        expect(f"{where} rope-dim", rope["rope-dim"], inputs[f"{prefix}position_ids_cos"][-1])
+        factor = (rope.get("rope-scaling") or {}).get("partial-rotary-factor")
+        want = params.get("partial_rotary_factor", 1.0) if params.get("rope_type") == "proportional" else None
+        expect(f"{where} partial-rotary-factor", factor, want)
     for key in ("embedding", "perlayer-embedding"):
         lut = genie.get(key)
         if lut is None:
@@ -306,7 +321,8 @@ def run_verify(
                 "heldout": heldout,
                 "bundle_text": tok.decode(ours.tokens),
                 "transformers_text": tok.decode(theirs),
-                "emulator_steps": ours.steps,
+                "emulator_prefill_steps": ours.steps[: len(ours.steps) - (len(ours.tokens) - 1)],
+                "emulator_decode_steps": len(ours.tokens) - 1,
                 "emulator_stopped_by": ours.stopped_by,
                 "emulator_prefill_s": round(ours.prefill_s, 3),
                 "emulator_decode_tokens_per_s": round(max(len(ours.tokens) - 1, 0) / ours.decode_s, 2)
