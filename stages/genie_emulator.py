@@ -301,6 +301,12 @@ class CpuEngine:
         return dict(zip(names, self._session(graph).run(names, feeds), strict=True))
 
 
+def pick_ar(ars: list[int], n_inputs: int) -> int:
+    """kvmanager.cpp's pick: the smallest AR >= n, else the largest AR below it."""
+    above = [a for a in ars if a >= n_inputs]
+    return min(above) if above else max(ars)
+
+
 # ---- RoPE ----
 def rope_table(entry: dict[str, Any], positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin (T, rope-dim) for one `positional-encoding` entry."""
@@ -572,10 +578,7 @@ class GenieEmulator:
         self.buffers = {n: t.cleared() for g in self.graphs for n, t in {**g.inputs, **g.outputs}.items()}
 
     def pick_ar(self, n_inputs: int) -> int:
-        """kvmanager.cpp's pick: the smallest AR >= n, else the largest AR below it."""
-        ars = list(self.variants)
-        above = [a for a in ars if a >= n_inputs]
-        return min(above) if above else max(ars)
+        return pick_ar(list(self.variants), n_inputs)
 
     # -- one graph call --
     def _embed(self, name: str, ids: list[int], ar: int) -> np.ndarray:
