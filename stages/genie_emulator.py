@@ -573,6 +573,7 @@ class GenieEmulator:
     # -- state --
     def reset(self) -> None:
         self.n_past = 0
+        self.steps: list[dict[str, int]] = []
         for group in self.groups:
             group.clear()
         self.buffers = {n: t.cleared() for g in self.graphs for n, t in {**g.inputs, **g.outputs}.items()}
@@ -685,7 +686,6 @@ class GenieEmulator:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Emulation:
         self.reset()
-        self.steps: list[dict[str, int]] = []
         run = Emulation(list(prompt_ids))
         t0 = time.perf_counter()
         raw = self.prefill(list(prompt_ids))
@@ -711,7 +711,6 @@ class GenieEmulator:
     def logits_along(self, prompt_ids: list[int], path: list[int]) -> np.ndarray:
         """Dequantized logits after the prompt and after each token of `path` (teacher forcing)."""
         self.reset()
-        self.steps = []
         rows = [self.prefill(list(prompt_ids))]
         rows += [self.call([t])[-1] for t in path]
         return self.logits_encoding.dequantize(np.stack(rows))

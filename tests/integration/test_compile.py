@@ -200,7 +200,8 @@ def test_layout_follows_the_soc_table():
     assert [b.graphs for b in v69][:2] == [("prefill_ar8_part1_of_2",), ("decode_ar1_part1_of_2",)]
     v75 = binary_layout(load_config("tiny", {"soc": "SM8650"}))
     assert [(b.file, b.weight_shared) for b in v75] == [("part1_of_2.bin", True), ("part2_of_2.bin", True)]
-    one_size = binary_layout(dataclasses.replace(load_config("tiny"), decode_ar=16))
+    tiny = load_config("tiny")
+    one_size = binary_layout(dataclasses.replace(tiny, decode_ar=tiny.prefill_ar))
     assert [b.file for b in one_size] == ["prefill_ar8_part1_of_2.bin", "prefill_ar8_part2_of_2.bin"]
 
 
