@@ -8,10 +8,11 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from stages.bundle import BundleError, consistency_errors, genie_validator_errors, run_bundle
+from stages.bundle import BundleError, consistency_errors, genie_validator_errors, lut_feeds, run_bundle
 from stages.chat import join_adjacent_string_literals, render_chat
 from stages.cli import main
 from stages.compile import run_compile
@@ -139,6 +140,87 @@ def test_inconsistent_configs_are_refused(sm8450, tmp_path):
     assert any("part9_of_2.bin is not in the bundle" in e for e in errors)
     assert any("prefix 'global_' matches no graph input" in e for e in errors)
     assert any("huge.bin is 4.00 GiB" in e for e in errors)
+
+
+def _graph_io(work: Path) -> dict:
+    compiled = json.loads((work / "compiled" / "report.json").read_text())
+    return {g["name"]: g["io"] for b in compiled["figures"]["binaries"] for g in b["graphs"]}
+
+
+def test_genie_byte_copies_both_luts_into_inputs_of_their_exact_encoding(sm8450):
+    work, report = sm8450
+    genie = json.loads((work / "genie_bundle" / "genie_config.json").read_text())["dialog"]
+    io = _graph_io(work)
+    for key, tensor in (("embedding", "inputs_embeds"), ("perlayer-embedding", "per_layer_inputs")):
+        qp = genie[key]["quant-param"]
+        for graph in ("prefill_ar16_part1_of_2", "decode_ar1_part1_of_2"):
+            enc = io[graph]["inputs"][tensor]
+            # Genie compares the JSON scale with the binary's float32 scale: equal to the bit.
+            assert (qp["scale"], qp["offset"]) == (enc["scale"], enc["offset"])
+            assert float(np.float32(qp["scale"])) == qp["scale"]
+            assert enc["dtype"] == {"ufixed16": "uint16", "ufixed8": "uint8"}[genie[key]["datatype"]]
+    feeds = report["figures"]["lut_feeds"]
+    assert len(feeds) == 4 and {f["mode"] for f in feeds} == {"copy"}
+
+
+def test_lut_inputs_genie_cannot_feed_are_refused_and_requantized_ones_allowed(sm8450):
+    work, _ = sm8450
+    bundle = work / "genie_bundle"
+    genie = json.loads((bundle / "genie_config.json").read_text())
+    files = {p.name: p for p in bundle.iterdir()}
+    io = _graph_io(work)
+    graphs = ("prefill_ar16_part1_of_2", "decode_ar1_part1_of_2")
+
+    def with_input(tensor: str, **enc) -> dict:
+        changed = json.loads(json.dumps(io))
+        for g in graphs:
+            changed[g]["inputs"][tensor] = {"shape": io[g]["inputs"][tensor]["shape"], **enc}
+        return changed
+
+    # A float per_layer_inputs (what the float16 PLE policy used to make) from the ufixed8 LUT.
+    errors = consistency_errors(genie, files, with_input("per_layer_inputs", dtype="float32"))
+    assert len(errors) == 2 and all(
+        "Genie cannot feed graph input per_layer_inputs (float32)" in e for e in errors
+    )
+    assert "from the perlayer-embedding LUT (ufixed8 (scale " in errors[0]
+    # inputs_embeds with another unsigned encoding: Genie requantizes each row (allowed, reported).
+    other = with_input("inputs_embeds", dtype="uint16", scale=0.001, offset=-30000)
+    assert consistency_errors(genie, files, other) == []
+    assert {f["mode"] for f in lut_feeds(genie, other) if f["tensor"] == "inputs_embeds"} == {"requantize"}
+    # ... but not into a signed one.
+    signed = with_input("inputs_embeds", dtype="int16", scale=0.001, offset=0)
+    errors = consistency_errors(genie, files, signed)
+    assert len(errors) == 2 and all(
+        "graph input inputs_embeds (sfixed16 (scale 0.001, offset 0))" in e for e in errors
+    )
+
+
+def test_a_bundle_genie_could_not_load_or_feed_is_refused_whole(sm8450, tmp_path):
+    """compiled/report.json edited as a stale or mixed compile would leave it: nothing is written."""
+    work = copy_workdir(sm8450[0], tmp_path / "w")
+    shutil.rmtree(work / "genie_bundle")
+    report_path = work / "compiled" / "report.json"
+    original = report_path.read_text()
+    compiled = json.loads(original)
+    for b in compiled["figures"]["binaries"]:
+        for g in b["graphs"]:
+            if "per_layer_inputs" in g["io"]["inputs"]:
+                g["io"]["inputs"]["per_layer_inputs"] = {"dtype": "float32", "shape": [1, 1, 4, 8]}
+    report_path.write_text(json.dumps(compiled))
+    with pytest.raises(
+        BundleError, match=r"cannot feed graph input per_layer_inputs \(float32\) from the perl"
+    ):
+        run_bundle(load_config("tiny"), work, work / "checkpoints" / "tiny")
+    # A cross-part tensor whose encoding differs between the part writing it and the one reading it.
+    compiled = json.loads(original)
+    for b in compiled["figures"]["binaries"]:
+        for g in b["graphs"]:
+            if g["name"] == "decode_ar1_part2_of_2":
+                g["io"]["inputs"]["hidden_states_layer4"]["offset"] += 1
+    report_path.write_text(json.dumps(compiled))
+    with pytest.raises(BundleError, match="hidden_states_layer4 has 2 encodings across the graphs"):
+        run_bundle(load_config("tiny"), work, work / "checkpoints" / "tiny")
+    assert not (work / "genie_bundle").exists()
 
 
 def test_genie_rejects_an_unknown_key_and_says_which():

@@ -3,7 +3,15 @@
 import numpy as np
 import pytest
 
-from stages.encoding import COPY, REQUANTIZE, Encoding, EncodingError, feed, feed_mode
+from stages.encoding import (
+    COPY,
+    REQUANTIZE,
+    Encoding,
+    EncodingError,
+    feed,
+    feed_mode,
+    shared_tensor_mismatches,
+)
 
 
 def test_equal_encodings_are_a_byte_copy():
@@ -48,3 +56,44 @@ def test_onnx_zero_point_is_minus_the_qnn_offset():
     e = Encoding.from_onnx(4, scale=np.float32(0.25), zero_point=32768)
     assert e == Encoding("ufixed16", 0.25, -32768)
     assert e.dequantize(np.array([32768], np.uint16))[0] == 0.0
+
+
+def test_report_descriptions_become_encodings():
+    assert Encoding.of_lut({"bits": 8, "scale": 0.5, "offset": -114}) == Encoding("ufixed8", 0.5, -114)
+    assert Encoding.of_io({"dtype": "uint16", "shape": [1], "scale": 0.25, "offset": -3}) == Encoding(
+        "ufixed16", 0.25, -3
+    )
+    assert Encoding.of_io({"dtype": "float32", "shape": [1]}) == Encoding("float32")
+    with pytest.raises(EncodingError, match="int64"):
+        Encoding.of_io({"dtype": "int64", "shape": [1]})
+
+
+def _io(dtype: str, scale: float | None = None, offset: int | None = None) -> dict:
+    d = {"dtype": dtype, "shape": [1, 1]}
+    return d if scale is None else {**d, "scale": scale, "offset": offset}
+
+
+def test_a_tensor_named_by_several_graphs_must_have_one_encoding():
+    hidden, kv_in, kv_out = _io("uint16", 0.01, -3), _io("uint8", 0.02, -128), _io("uint8", 0.02, -128)
+    io = {
+        "prefill_part1": {
+            "inputs": {"past_key_0_h0_in": kv_in},
+            "outputs": {"hidden": hidden, "logits": hidden},
+        },
+        "decode_part1": {"inputs": {"past_key_0_h0_in": kv_in}, "outputs": {"past_key_0_h0_out": kv_out}},
+        "prefill_part2": {"inputs": {"hidden": hidden}, "outputs": {"logits": _io("uint16", 0.5, 0)}},
+    }
+    assert shared_tensor_mismatches(io, ("past_", "swa_")) == []  # the logits output is not compared
+    io["prefill_part2"]["inputs"]["hidden"] = _io("uint16", 0.01, -4)
+    (problem,) = shared_tensor_mismatches(io, ("past_", "swa_"))
+    assert problem.startswith(
+        "hidden has 2 encodings across the graphs (ufixed16 (scale 0.01, offset -3) in "
+    )
+    assert "prefill_part2 input hidden" in problem
+    # A cache input is its output's buffer: a new entry written with another encoding is caught.
+    io["prefill_part2"]["inputs"]["hidden"] = hidden
+    io["decode_part1"]["outputs"]["past_key_0_h0_out"] = _io("uint16", 0.02, -128)
+    (problem,) = shared_tensor_mismatches(io, ("past_", "swa_"))
+    assert problem.startswith("past_key_0_h0_out has 2 encodings")
+    # Outside the cache groups an _in tensor is its own name.
+    assert shared_tensor_mismatches(io, ("swa_",)) == []
