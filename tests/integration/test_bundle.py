@@ -153,7 +153,7 @@ def test_genie_byte_copies_both_luts_into_inputs_of_their_exact_encoding(sm8450)
     io = _graph_io(work)
     for key, tensor in (("embedding", "inputs_embeds"), ("perlayer-embedding", "per_layer_inputs")):
         qp = genie[key]["quant-param"]
-        for graph in ("prefill_ar16_part1_of_2", "decode_ar1_part1_of_2"):
+        for graph in ("prefill_ar8_part1_of_2", "decode_ar1_part1_of_2"):
             enc = io[graph]["inputs"][tensor]
             # Genie compares the JSON scale with the binary's float32 scale: equal to the bit.
             assert (qp["scale"], qp["offset"]) == (enc["scale"], enc["offset"])
@@ -169,7 +169,7 @@ def test_lut_inputs_genie_cannot_feed_are_refused_and_requantized_ones_allowed(s
     genie = json.loads((bundle / "genie_config.json").read_text())
     files = {p.name: p for p in bundle.iterdir()}
     io = _graph_io(work)
-    graphs = ("prefill_ar16_part1_of_2", "decode_ar1_part1_of_2")
+    graphs = ("prefill_ar8_part1_of_2", "decode_ar1_part1_of_2")
 
     def with_input(tensor: str, **enc) -> dict:
         changed = json.loads(json.dumps(io))
