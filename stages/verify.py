@@ -227,6 +227,8 @@ def run_verify(
     if read_report(bundle_dir) is None or compiled is None:
         raise VerifyError(f"{bundle_dir} holds no finished bundle; run `make bundle` first")
     geo = Checkpoint(checkpoint_dir).geometry
+    # A failed verify must not leave an earlier run's passing report behind.
+    (workdir / "verify" / REPORT_NAME).unlink(missing_ok=True)
     problems = check_bundle(bundle_dir, quantized_dir, compiled, geo)
     if problems:
         raise VerifyError(f"{bundle_dir} is broken ({len(problems)} problems):\n  " + "\n  ".join(problems))
@@ -286,7 +288,7 @@ def run_verify(
                 f"{thresholds.min_top1}"
             )
     if shortfalls:
-        ties = near_ties(ref, emulated)
+        ties = near_ties(ref, emulated) + heldout.get("near_ties", [])
         raise VerifyError(
             f"{bundle_dir} runs under the Genie emulator ({engine} engine) but falls short: "
             + "; ".join(shortfalls)

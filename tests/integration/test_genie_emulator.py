@@ -114,13 +114,15 @@ def test_float_per_layer_inputs_from_a_ufixed8_lut_is_refused(mutable):
         _verify(mutable)
 
 
-def test_an_embedding_lut_encoding_unlike_the_input_gives_other_tokens(mutable):
+def test_an_embedding_lut_encoding_unlike_the_input_gives_other_tokens(verified, mutable):
     def shift(genie):
         genie["embedding"]["quant-param"]["offset"] += 3000
 
     _edit_genie_config(mutable, shift)
+    assert (mutable / "verify" / "report.json").is_file()  # the good bundle's passing report
     with pytest.raises(VerifyError, match="falls short: greedy tokens match transformers for"):
         _verify(mutable)
+    assert not (mutable / "verify" / "report.json").exists()  # no stale pass left behind
 
 
 def test_a_cross_part_tensor_with_two_encodings_is_refused(mutable):
