@@ -553,7 +553,8 @@ class GenieEmulator:
                     f"{section['lut-path']} (dialog.cpp m_t2eCallbacks has no such path)"
                 )
             size = int(section["size"])
-            rows = np.fromfile(self.bundle_dir / section["lut-path"], dtype=lut.numpy_dtype)
+            # Memory-mapped: E2B's per-layer LUT is 2.35 GB and a prompt reads a few rows of it.
+            rows = np.memmap(self.bundle_dir / section["lut-path"], dtype=lut.numpy_dtype, mode="r")
             if rows.size % size or size != int(np.prod(first[name].shape[2:])):
                 raise EmulatorError(
                     f"{section['lut-path']}: {rows.size} values are not rows of {key}.size {size} "
