@@ -25,7 +25,8 @@ PROMPT        ?= What is the capital of France?
 VERIFY_ENGINE ?= htp
 VERIFY_MIN_PREFIX ?=
 VERIFY_MIN_TOP1 ?=
-# A snapshot folder you already have: `make download FROM=DIR` imports it instead of downloading.
+# A snapshot folder you already have: `make download FROM=DIR` imports it instead of downloading, as
+# checkpoints/<MODEL's name>, or named after DIR when MODEL is empty.
 FROM          ?=
 
 # quantize: extra options (--compare-ple-policies, --calibration-files F, --provider rocm) and its image
@@ -63,7 +64,10 @@ else
 endif
 
 opt = $(if $(strip $(2)),--$(1) '$(strip $(2))')
-CONFIG_ARGS = --preset '$(PRESET)' --workdir '$(WORKDIR)' $(call opt,model,$(MODEL)) \
+# MODEL, or (with FROM and no MODEL) the model named after the FROM folder by stages.config below.
+CONFIG_ARGS = --preset '$(PRESET)' --workdir '$(WORKDIR)' \
+  $(call opt,model,$(or $(MODEL),$(if $(FROM),$(word 1,$(CONFIG_NAMES))))) $(CONFIG_OPTS)
+CONFIG_OPTS = \
   $(call opt,model-revision,$(MODEL_REVISION)) $(call opt,soc,$(SOC)) \
   $(call opt,precision,$(PRECISION)) $(call opt,max-context,$(MAX_CONTEXT)) \
   $(call opt,prefill-ar,$(PREFILL_AR)) $(call opt,decode-ar,$(DECODE_AR)) \
@@ -71,7 +75,10 @@ CONFIG_ARGS = --preset '$(PRESET)' --workdir '$(WORKDIR)' $(call opt,model,$(MOD
   $(call opt,qairt-version,$(QAIRT_VERSION))
 
 image_tag = $(shell docker/image-tag.sh $(1) '$(BASE_REF)')
-ABS_WORKDIR = $(abspath $(WORKDIR))
+# WORKDIR may hold spaces: recipes quote it, and targets use WD, the same path with `\ ` escapes.
+space := $(subst ,, )
+WD := $(subst $(space),\$(space),$(WORKDIR))
+ABS_WORKDIR := $(shell realpath -m -- '$(WORKDIR)')
 # The user's AI Hub client config (COMPILER=aihub without QAI_HUB_API_TOKEN), shown to the container read-only.
 QAIHUB_INI := $(abspath $(or $(QAIHUB_CLIENT_INI),$(wildcard $(HOME)/.qai_hub/client.ini)))
 # The work tree (and WORKDIR, when it lies outside it) mounted at the same paths as on the host;
@@ -79,7 +86,7 @@ QAIHUB_INI := $(abspath $(or $(QAIHUB_CLIENT_INI),$(wildcard $(HOME)/.qai_hub/cl
 # reads their values from this environment, so they never appear on a command line or in a log).
 DOCKER_RUN = docker run --rm -i --user $$(id -u):$$(id -g) --cap-drop ALL $(DOCKER_ARGS) $(2) \
   --security-opt no-new-privileges -v '$(CURDIR):$(CURDIR)' -w '$(CURDIR)' \
-  $(if $(filter $(CURDIR)/%,$(ABS_WORKDIR)/),,-v '$(ABS_WORKDIR):$(ABS_WORKDIR)') \
+  $(if $(filter $(CURDIR)/%,$(subst $(space),?,$(ABS_WORKDIR))/),,-v '$(ABS_WORKDIR):$(ABS_WORKDIR)') \
   $(if $(FROM),-v '$(abspath $(FROM)):$(abspath $(FROM)):ro') \
   $(if $(QAIHUB_INI),-v '$(QAIHUB_INI):$(QAIHUB_INI):ro' -e QAIHUB_CLIENT_INI='$(QAIHUB_INI)') \
   -e PYTHONPATH='$(CURDIR)' -e HF_TOKEN -e QAI_HUB_API_TOKEN -e QNN_SDK_ROOT -e ADB_SERIAL \
@@ -95,16 +102,33 @@ else
 endif
 
 # ---- stage outputs: each stage's report.json is its "done" file ----
-STAMP_DIR       = $(WORKDIR)/.g4v69
-# Computed on the host (stdlib-only module) because rule targets are expanded when make starts.
-CHECKPOINT_NAME := $(shell $(PYTHON) -m stages.config '$(PRESET)' '$(MODEL)')
-CHECKPOINT_DIR  = $(WORKDIR)/checkpoints/$(CHECKPOINT_NAME)
+STAMP_DIR       = $(WD)/.g4v69
+# The model (named after FROM when MODEL is empty), its checkpoint folder's name and each stage's stamp
+# name (keyed by the config fields up to that stage), computed on the host (stdlib-only module) because
+# rule targets are expanded when make starts. G4V69_<FIELD> variables count, as they do for g4v69
+# (make 4.3 does not give them to $(shell)).
+G4V69_FIELD_ENV := $(foreach v,$(filter-out G4V69_PROMPT,$(filter G4V69_%,$(.VARIABLES))),$(v)='$($(v))')
+CONFIG_NAMES    := $(shell $(G4V69_FIELD_ENV) $(PYTHON) -m stages.config --preset '$(PRESET)' \
+  $(call opt,model,$(MODEL)) $(CONFIG_OPTS) $(if $(FROM),--from '$(abspath $(FROM))'))
+CHECKPOINT_NAME := $(word 2,$(CONFIG_NAMES))
+CHECKPOINT_DIR  = $(WD)/checkpoints/$(CHECKPOINT_NAME)
 DOWNLOAD_REPORT = $(CHECKPOINT_DIR)/report.json
-EXPORT_REPORT   = $(WORKDIR)/exported/report.json
-QUANTIZE_REPORT = $(WORKDIR)/quantized/report.json
-COMPILE_REPORT  = $(WORKDIR)/compiled/report.json
-BUNDLE_REPORT   = $(WORKDIR)/genie_bundle/report.json
-VERIFY_REPORT   = $(WORKDIR)/verify/report.json
+EXPORT_REPORT   = $(WD)/exported/report.json
+QUANTIZE_REPORT = $(WD)/quantized/report.json
+COMPILE_REPORT  = $(WD)/compiled/report.json
+BUNDLE_REPORT   = $(WD)/genie_bundle/report.json
+VERIFY_REPORT   = $(WD)/verify/report.json
+# (A config the module refuses names nothing; the stage then says why and writes nothing.)
+stamp = $(STAMP_DIR)/$(or $(word $(1),$(CONFIG_NAMES)),no-config-$(1))
+DOWNLOAD_STAMP  = $(call stamp,3)
+EXPORT_STAMP    = $(call stamp,4)
+QUANTIZE_STAMP  = $(call stamp,5)
+COMPILE_STAMP   = $(call stamp,6)
+BUNDLE_STAMP    = $(call stamp,7)
+# The prompt reaches g4v69 through the environment, unexpanded: `$`, quotes and newlines stay as typed.
+# PROMPT itself is not exported: make would expand it (and run a `$(shell ...)` in it) to do so.
+unexport PROMPT
+export G4V69_PROMPT = $(value PROMPT)
 
 .PHONY: help images wheelhouse base-image lock download export quantize compile bundle verify \
   push run generate demo bench plan doctor image-tag test test-unit test-container lint clean venv g4v69 FORCE \
@@ -123,31 +147,33 @@ help: ## list the targets and variables
 	@echo "  BASE_IMAGE=$(BASE_IMAGE) (or 'debootstrap') WHEELHOUSE=$(WHEELHOUSE)"
 
 # ---- pipeline ----
-# A stage reruns when its input report or its own config fields changed (the stamp file is
-# rewritten only when its content changes, and make re-reads its time after the recipe).
-$(STAMP_DIR)/%.json: FORCE | $(call RUNNER_DEP,tools)
-	@$(call g4v69,tools) stamp $* --output '$@'
+# A stage reruns when its input report changed or its stamp for this config is missing. A stage writes
+# its stamp (WORKDIR/.g4v69/<stage>-<config hash>.json, dated like its report) only when it succeeds,
+# and removes its stamps of other configs, whose output it has just replaced; so a command with another
+# PRESET neither invalidates this config's results nor reuses the other's. A stage that finds an input
+# changed since it was written removes that input's stamps, so the stage that makes it runs again.
+$(DOWNLOAD_STAMP) $(EXPORT_STAMP) $(QUANTIZE_STAMP) $(COMPILE_STAMP) $(BUNDLE_STAMP): ;
 
-$(DOWNLOAD_REPORT): $(STAMP_DIR)/download.json | $(call RUNNER_DEP,export)
+$(DOWNLOAD_REPORT): $(DOWNLOAD_STAMP) | $(call RUNNER_DEP,export)
 	$(call g4v69,export) download $(call opt,from,$(if $(FROM),$(abspath $(FROM))))
-$(EXPORT_REPORT): $(DOWNLOAD_REPORT) $(STAMP_DIR)/export.json | $(call RUNNER_DEP,export)
+$(EXPORT_REPORT): $(DOWNLOAD_REPORT) $(EXPORT_STAMP) | $(call RUNNER_DEP,export)
 	$(call g4v69,export) export
-$(QUANTIZE_REPORT): $(EXPORT_REPORT) $(STAMP_DIR)/quantize.json | $(call RUNNER_DEP,$(QUANT_IMAGE))
+$(QUANTIZE_REPORT): $(EXPORT_REPORT) $(QUANTIZE_STAMP) | $(call RUNNER_DEP,$(QUANT_IMAGE))
 	$(call g4v69,$(QUANT_IMAGE)) quantize $(QUANT_ARGS)
-$(COMPILE_REPORT): $(QUANTIZE_REPORT) $(STAMP_DIR)/compile.json | $(call RUNNER_DEP,compile)
+$(COMPILE_REPORT): $(QUANTIZE_REPORT) $(COMPILE_STAMP) | $(call RUNNER_DEP,compile)
 	$(call g4v69,compile) compile
 # The bundle stage runs in the compile image: Genie's own config validator is onnxruntime-qnn's libGenie.so.
-$(BUNDLE_REPORT): $(COMPILE_REPORT) $(STAMP_DIR)/bundle.json | $(call RUNNER_DEP,compile)
+$(BUNDLE_REPORT): $(COMPILE_REPORT) $(BUNDLE_STAMP) | $(call RUNNER_DEP,compile)
 	$(call g4v69,compile) bundle
 # verify is a check: it runs whenever asked (with the PROMPT given), on top of a finished bundle.
-$(VERIFY_REPORT): $(BUNDLE_REPORT) $(STAMP_DIR)/verify.json FORCE | $(call RUNNER_DEP,export)
-	@$(call g4v69,export) verify --prompt '$(subst ','\'',$(PROMPT))' --engine '$(VERIFY_ENGINE)' \
-	  $(call opt,min-prefix,$(VERIFY_MIN_PREFIX)) $(call opt,min-top1,$(VERIFY_MIN_TOP1))
-	@echo "bundle: $(abspath $(WORKDIR))/genie_bundle"
+$(VERIFY_REPORT): $(BUNDLE_REPORT) FORCE | $(call RUNNER_DEP,export)
+	@$(call g4v69,export) verify --engine '$(VERIFY_ENGINE)' $(call opt,min-prefix,$(VERIFY_MIN_PREFIX)) \
+	  $(call opt,min-top1,$(VERIFY_MIN_TOP1))
+	@echo "bundle: $(ABS_WORKDIR)/genie_bundle"
 
 download: $(DOWNLOAD_REPORT) ## fetch the checkpoint (or make the built-in tiny model) into checkpoints/
 export: $(EXPORT_REPORT) ## static-shape sharded ONNX graphs + LUTs into exported/
-quantize: $(QUANTIZE_REPORT) ## w8a16 QDQ graphs (8-bit KV on v69) into quantized/
+quantize: $(QUANTIZE_REPORT) ## QDQ graphs at PRECISION (4-bit by default; 8-bit KV on v69) into quantized/
 compile: $(COMPILE_REPORT) ## QNN context binaries into compiled/ (COMPILER=local|aihub)
 bundle: $(BUNDLE_REPORT) ## the Genie bundle into genie_bundle/
 verify: $(VERIFY_REPORT) ## check the bundle on the host against transformers into verify/
@@ -158,9 +184,9 @@ DEVICE_RUN_ARGS = $(if $(filter docker,$(RUNNER)),--network host $(if $(QNN_SDK_
 push: $(BUNDLE_REPORT) | $(call RUNNER_DEP,tools) ## adb-push the bundle and QAIRT runtime (QNN_SDK_ROOT) to the phone
 	$(call g4v69,tools,$(DEVICE_RUN_ARGS)) push
 run: | $(call RUNNER_DEP,tools) ## run PROMPT on the phone with genie-t2t-run (after make push)
-	$(call g4v69,tools,$(DEVICE_RUN_ARGS)) run --prompt '$(subst ','\'',$(PROMPT))'
+	$(call g4v69,tools,$(DEVICE_RUN_ARGS)) run
 generate: $(EXPORT_REPORT) | $(call RUNNER_DEP,export) ## run PROMPT through the exported graphs on the host
-	@$(call g4v69,export) generate --prompt '$(subst ','\'',$(PROMPT))'
+	@$(call g4v69,export) generate
 # The tiny model knows Python docstrings only; a prompt from its domain (out of it, its first tokens are
 # near-ties that any 8-bit model may flip: see README "Verification").
 DEMO_PROMPT ?= Return the first element of a list.
@@ -172,8 +198,9 @@ demo: ## the built-in tiny model through every stage to a verified bundle
 BENCH_MODEL       ?= e2b-random
 BENCH_WORKDIR     ?= $(WORKDIR)/bench-work
 BENCH_RESULTS     ?= ci/bench-results
-# Calibration through the float chain on the built-in corpus (WikiText-2 where it can be downloaded).
-BENCH_CALIBRATION ?= G4V69_CALIBRATION_DATASET=files G4V69_CALIBRATION_SAMPLES=1 G4V69_CALIBRATION_TOKENS=256
+# Calibration at the preset's size (20 x up to 2048 tokens) through the float chain, on the built-in corpus
+# (WikiText-2 is not reachable here); a cut-down run: BENCH_CALIBRATION="G4V69_CALIBRATION_DATASET=files G4V69_CALIBRATION_SAMPLES=1 G4V69_CALIBRATION_TOKENS=256".
+BENCH_CALIBRATION ?= G4V69_CALIBRATION_DATASET=files
 bench: ## E2B-size bench: export + quantize + compile, then ci/bench-results/<date>-<machine>.{json,md}
 	$(BENCH_CALIBRATION) $(MAKE) --no-print-directory compile MODEL=$(BENCH_MODEL) WORKDIR='$(BENCH_WORKDIR)'
 	@$(call g4v69,tools) --model $(BENCH_MODEL) --workdir '$(BENCH_WORKDIR)' bench-report \
@@ -234,9 +261,10 @@ test-unit: $(VENV)/.installed ## run only the fast unit tests
 lint: $(VENV)/.installed ## ruff over the package and tests
 	'$(VENV)/bin/ruff' check stages tests docker
 
-clean: ## remove stage outputs under WORKDIR (not checkpoints, images or the wheelhouse)
-	rm -rf '$(WORKDIR)/exported' '$(WORKDIR)/quantized' '$(WORKDIR)/compiled' '$(WORKDIR)/verify' \
-	  '$(STAMP_DIR)'
+clean: ## remove stage outputs under WORKDIR (not checkpoints and their stamps, images or the wheelhouse)
+	rm -rf '$(WORKDIR)/exported' '$(WORKDIR)/quantized' '$(WORKDIR)/compiled' '$(WORKDIR)/verify'
+	rm -f '$(WORKDIR)/.g4v69/aihub_jobs.json' $(foreach s,export quantize compile bundle,'$(WORKDIR)/.g4v69/'$(s)-*.json)
+	$(PYTHON) -m stages.report clean '$(WORKDIR)' '$(WORKDIR)/checkpoints'
 	find '$(WORKDIR)/genie_bundle' -mindepth 1 ! -name README.md -exec rm -rf {} + 2>/dev/null || true
 
 FORCE:

@@ -32,6 +32,13 @@ INTERNAL_ERROR_RETRIES = 3
 LEDGER_VERSION = 1
 
 
+def one_line(e: BaseException) -> str:
+    """qai_hub's messages come framed in a multi-line text box; the stage prints one line."""
+    text = " ".join(str(e).replace("\u2502", " ").split())
+    text = "".join(c for c in text if c not in "\u250c\u2500\u2510\u2514\u2518|")
+    return " ".join(text.split()) or type(e).__name__
+
+
 def _poll_seconds() -> float:
     return float(os.environ.get("G4V69_AIHUB_POLL_S", "15"))
 
@@ -64,27 +71,31 @@ class AiHub:
 
     def call(self, what: str, fn, *args, **kwargs):
         hub = self.hub
+        # qai-hub 0.56.0 defines RateLimitedError in qai_hub.client and does not export it at the top
+        # level; network failures (no route, timeouts, 5xx) arrive as InternalError, and a few paths
+        # (uploads) can still let a requests/OS error through.
+        rate_limited = hub.client.RateLimitedError
         limited = internal = 0
         while True:
             try:
                 return fn(*args, **kwargs)
-            except hub.RateLimitedError as e:
+            except rate_limited as e:
                 limited += 1
                 if limited > RATE_LIMIT_RETRIES:
                     raise self.error(
-                        f"AI Hub kept rate-limiting {what} ({e}); wait a few minutes and rerun"
+                        f"AI Hub kept rate-limiting {what} ({one_line(e)}); wait a few minutes and rerun"
                     ) from None
                 time.sleep(_backoff_seconds() * 2 ** (limited - 1))
-            except hub.InternalError as e:
+            except (hub.InternalError, OSError) as e:
                 internal += 1
                 if internal > INTERNAL_ERROR_RETRIES:
                     raise self.error(
-                        f"AI Hub failed {what} with an internal error {internal} times: {e}; it is on their "
-                        "side or the network's: rerun later (finished jobs are kept)"
+                        f"AI Hub failed {what} {internal} times: {one_line(e)}; it is on their side or the "
+                        "network's: check the connection and rerun later (finished jobs are kept)"
                     ) from None
                 time.sleep(_backoff_seconds())
             except hub.UserError as e:
-                text = str(e)
+                text = one_line(e)
                 low = text.lower()
                 if any(w in low for w in ("token", "unauthorized", "401", "403", "authentic")):
                     hint = "AI Hub rejected the API token: check QAI_HUB_API_TOKEN or ~/.qai_hub/client.ini"
@@ -93,6 +104,8 @@ class AiHub:
                 else:
                     hint = "AI Hub refused the request"
                 raise self.error(f"{hint} ({what}): {text}") from None
+            except hub.Error as e:
+                raise self.error(f"AI Hub failed {what}: {one_line(e)}") from None
 
     def device(self, soc_name: str, device_name: str, chipset: str):
         devices = self.call("listing devices", self.client.get_devices, name=device_name)
@@ -216,6 +229,8 @@ def _submit_compile(api: AiHub, ledger: Ledger, graph: str, path: Path, sha: str
         device=device,
         name=graph,
         options=options,
+        # The client's own retry loop sleeps up to 10 minutes printing boxes; the stage backs off itself.
+        retry=False,
     )
 
 

@@ -47,11 +47,15 @@ def _machine() -> dict[str, Any]:
 def collect(cfg: PipelineConfig, workdir: Path, plan: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per stage and per graph costs from the stage reports under workdir (missing stages: null)."""
     stages: dict[str, Any] = {}
+    # What ran is what the stages recorded, not this command's config: a bench whose calibration was
+    # set in the environment of the stage run must not be reported with the preset's calibration.
+    ran: dict[str, Any] = {}
     for stage, folder in _stage_dirs(cfg, workdir).items():
         report = read_report(folder)
         if report is None:
             stages[stage] = None
             continue
+        ran.update(report.get("options", {}))
         fig = report.get("figures", {})
         children = [b.get("peak_rss_bytes", 0) for b in fig.get("binaries", [])]
         stages[stage] = {
@@ -80,7 +84,8 @@ def collect(cfg: PipelineConfig, workdir: Path, plan: dict[str, Any] | None = No
     return {
         "date": datetime.date.today().isoformat(),
         "machine": _machine(),
-        "config": cfg.to_dict(),
+        "config": {**cfg.to_dict(), **ran},
+        "config_from_stage_reports": sorted(ran),
         "stages": stages,
         "graphs": graphs,
         "export_quantize_compile_wall_s": sum(stages[s]["wall_s"] for s in done),

@@ -26,7 +26,7 @@ from stages.config import PipelineConfig, stage_fields
 from stages.contract import CACHE_PREFIX, LUT_INPUTS, MASK_NAME, ROPE_PREFIX
 from stages.encoding import COPY, Encoding, feed_mode, shared_tensor_mismatches
 from stages.geometry import FULL, SLIDING
-from stages.report import REPORT_NAME, read_report, sha256_file, stage_output
+from stages.report import REPORT_NAME, check_inputs, copy_file, read_report, sha256_file, stage_output
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 GENIE_CONFIG = "genie_config.json"
@@ -70,20 +70,14 @@ def render_context(
     compiled: dict[str, Any],
 ) -> dict[str, Any]:
     """Everything the two templates print, derived; nothing here is a hand-copied number."""
-    from stages.checkpoint import Checkpoint
+    from stages.checkpoint import Checkpoint, stop_token_ids
 
     geo = Checkpoint(checkpoint_dir).geometry
     soc = cfg.soc_info
     io = _io(compiled)
     gen_path = checkpoint_dir / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-    eos = gen.get("eos_token_id", geo.config.get("eos_token_id"))
-    eos_ids = sorted(set(eos if isinstance(eos, list) else [eos]) - {None})
-    from stages.chat import END_OF_TURN, added_token_id
-
-    turn_end = added_token_id(checkpoint_dir, END_OF_TURN)
-    if turn_end is not None and turn_end not in eos_ids:
-        eos_ids.append(turn_end)
+    eos_ids = stop_token_ids(checkpoint_dir)
     bos = gen.get("bos_token_id", geo.config.get("bos_token_id"))
     pad = gen.get("pad_token_id", geo.config.get("pad_token_id", 0))
     logits = _first(io, "outputs", "logits")
@@ -351,13 +345,6 @@ def bundle_name(cfg: PipelineConfig) -> str:
     return f"{cfg.checkpoint_name}-{cfg.soc.lower()}-{cfg.precision}-ctx{cfg.max_context}"
 
 
-def _link_or_copy(src: Path, dest: Path) -> None:
-    try:
-        os.link(src, dest)
-    except OSError:
-        shutil.copy2(src, dest)
-
-
 def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
     """The whole stage; returns its report. A bad input raises BundleError and writes nothing."""
     from stages.chat import chat_template, join_adjacent_string_literals
@@ -376,6 +363,8 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
             f"{compiled_dir} holds binaries for {compiled['options'].get('soc')}, not {cfg.soc}; "
             f"run `make compile SOC={cfg.soc}`"
         )
+    luts = [export_dir / v["path"] for v in export_report["figures"]["luts"].values()]
+    check_inputs(workdir, [compiled_dir, checkpoint_dir, *luts])
     context = render_context(cfg, checkpoint_dir, export_report, compiled)
     genie = render("genie_config.json.j2", context)
     htp_ext = render("htp_backend_ext_config.json.j2", context)
@@ -415,9 +404,10 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     out_dir = workdir / "genie_bundle"
     options = {"model": cfg.model, "soc": cfg.soc, **{k: getattr(cfg, k) for k in stage_fields("bundle")}}
     inputs = [compiled_dir / REPORT_NAME, export_dir / REPORT_NAME, *files.values()]
-    with stage_output("bundle", out_dir, inputs, options, root=workdir) as run:
+    need = sum(p.stat().st_size for p in files.values())
+    with stage_output("bundle", out_dir, inputs, options, root=workdir, need_bytes=need) as run:
         for name, src in files.items():
-            _link_or_copy(src, run.dir / name)
+            copy_file(src, run.dir / name)
         _write_json(run.dir / GENIE_CONFIG, genie)
         _write_json(run.dir / HTP_EXT_CONFIG, htp_ext)
         _write_json(run.dir / TOKENIZER_CONFIG, tok_cfg)

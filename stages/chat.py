@@ -93,19 +93,6 @@ class ChatTokenizer:
     def token_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
-    def stop_ids(self, eos_token_id: int | list[int] | None) -> set[int]:
-        ids = set(
-            eos_token_id
-            if isinstance(eos_token_id, list)
-            else [eos_token_id]
-            if eos_token_id is not None
-            else []
-        )
-        turn_end = self.token_id(END_OF_TURN)
-        if turn_end is not None:
-            ids.add(turn_end)
-        return ids
-
 
 # A Jinja string literal, single- or double-quoted, with backslash escapes.
 _STRING = r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\""

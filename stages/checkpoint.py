@@ -11,7 +11,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from stages.geometry import Geometry, GeometryError, geometry_from_config
+from stages.geometry import Geometry, GeometryError, geometry_from_config, text_config_of
 
 # Where the text decoder's weights sit in the -it (multimodal) snapshot; a text-only export uses `model.`.
 TEXT_PREFIXES = ("model.language_model.", "model.")
@@ -21,6 +21,44 @@ GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
 
 class CheckpointError(ValueError):
     pass
+
+
+def _token_ids(value: Any, where: str) -> list[int]:
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise CheckpointError(f"{where} eos_token_id is {value!r}, not a token id or a list of them")
+    return values
+
+
+def stop_token_ids(checkpoint_dir: Path) -> list[int]:
+    """The token ids that end a reply, sorted: the one list the host runner (`g4v69 generate`), the
+    bundle's genie_config.json (and so `make run` on the phone), verify and the Genie emulator use.
+
+    The union of generation_config.json's eos_token_id (the published E2B-it lists several), the text
+    config's eos_token_id and `<turn|>`, which ends an -it model's turn (FACTS.md s.1). Reads JSON only,
+    so it works in every image.
+    """
+    from stages.chat import END_OF_TURN, added_token_id
+
+    directory = Path(checkpoint_dir)
+    ids: set[int] = set()
+    for name, pick in (("config.json", text_config_of), ("generation_config.json", lambda c: c)):
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+        try:
+            ids.update(_token_ids(pick(data).get("eos_token_id"), str(path)))
+        except GeometryError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+    if (directory / "tokenizer.json").is_file():
+        turn_end = added_token_id(directory, END_OF_TURN)
+        if turn_end is not None:
+            ids.add(turn_end)
+    return sorted(ids)
 
 
 class Checkpoint:

@@ -7,8 +7,9 @@ Make variables become these options; G4V69_<FIELD> environment variables work to
 
 from __future__ import annotations
 
+import errno
 import json
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import click
@@ -17,31 +18,68 @@ from stages import __version__
 from stages.config import (
     DEFAULT_PRESET,
     FIELD_NAMES,
-    STAGES,
     ConfigError,
     PipelineConfig,
     field_doc,
     load_config,
-    stage_fields,
+    stage_key,
+    stamp_name,
 )
 from stages.geometry import GeometryError, builtin_geometry, load_geometry
 from stages.graphs import PartitionError
-from stages.report import write_json_atomic
-
-STAGE_DIRS = {
-    "download": "checkpoints",
-    "export": "exported",
-    "quantize": "quantized",
-    "compile": "compiled",
-    "bundle": "genie_bundle",
-    "verify": "verify",
-}
+from stages.quiet import quiet_libraries
+from stages.report import (
+    REPORT_NAME,
+    STAGE_DIRS,
+    DiskSpaceError,
+    IntegrityError,
+    write_json_atomic,
+    write_stamp,
+)
 
 
 class UserError(click.ClickException):
     """A problem the user can fix: printed as one line, exit status 2, nothing written."""
 
     exit_code = 2
+
+
+def _os_error_line(e: OSError) -> str | None:
+    """One line for the OSErrors a user causes and can fix (full disk, read-only or foreign folder)."""
+    where = f" writing {e.filename}" if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            f"the disk is full{where} ({e.strerror}); nothing was kept: free space or set WORKDIR to "
+            "a bigger disk, then run the same command again"
+        )
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return (
+            f"cannot write{where} ({e.strerror}); set WORKDIR to a folder you can write to, or make "
+            "this one writable"
+        )
+    return None
+
+
+class Main(click.Group):
+    """The command group, with the one place that turns errors every stage can meet (an input that
+    changed since its stage wrote it, a full disk, a read-only WORKDIR) into one line. A stage's
+    temporary folder is removed on any error (report.stage_output), so nothing partial remains."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (IntegrityError, DiskSpaceError) as e:
+            raise UserError(str(e)) from None
+        except OSError as e:
+            line = _os_error_line(e)
+            if line is None:
+                raise
+            raise UserError(line) from None
+        except RuntimeError as e:
+            # torch and onnx wrap a failed write in RuntimeError, with the errno's text in the message.
+            if "No space left on device" in str(e) or "[Errno 28]" in str(e):
+                raise UserError(_os_error_line(OSError(errno.ENOSPC, "No space left on device"))) from None
+            raise
 
 
 @dataclass
@@ -52,6 +90,13 @@ class Context:
     def checkpoint_dir(self) -> Path:
         return self.workdir / STAGE_DIRS["download"] / self.config.checkpoint_name
 
+    def stage_done(self, stage: str) -> None:
+        """Stamp a stage that has just finished (see the Makefile's stage rules): only on success,
+        keyed by the config, so a run with another config neither removes nor reuses it."""
+        out = self.checkpoint_dir() if stage == "download" else self.workdir / STAGE_DIRS[stage]
+        content = {"stage": stage, "config": stage_key(self.config, stage)}
+        write_stamp(self.workdir, stamp_name(self.config, stage), content, out / REPORT_NAME)
+
 
 def _config_options(func):
     """One --option per config field, generated from the dataclass so the two cannot drift."""
@@ -61,7 +106,9 @@ def _config_options(func):
     return func
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "G4V69"})
+@click.group(
+    cls=Main, context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "G4V69"}
+)
 @click.version_option(__version__, prog_name="g4v69")
 @click.option(
     "--preset",
@@ -82,6 +129,7 @@ def main(ctx: click.Context, preset: str, workdir: Path, **overrides: str | None
     """Gemma 4 E2B -> QNN context binaries for Hexagon v69 -> Genie bundle."""
     if ctx.resilient_parsing:
         return
+    quiet_libraries()
     try:
         cfg = load_config(preset, overrides)
     except ConfigError as e:
@@ -107,10 +155,24 @@ def download(obj: Context, from_dir: Path | None) -> None:
         figures = run_download(cfg.model, cfg.model_revision, out, from_dir=from_dir)
     except DownloadError as e:
         raise UserError(str(e)) from None
+    obj.stage_done("download")
     click.echo(
         f"{out}: {figures['files']} files, {figures['bytes'] / 1e9:.3f} GB, "
         f"{figures['text_params'] / 1e6:.1f} M text params ({figures['source']})"
     )
+    ignored = figures["ignored_tensors"]
+    if ignored:
+        click.echo(
+            f"ignored {len(ignored)} K/V tensors of KV-shared layers, as transformers does (report.json)"
+        )
+    unused = figures["unused_tensors"]
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        click.echo(
+            f"warning: {len(unused)} language-model tensors have no place in Gemma 4 and are not used "
+            f"(transformers drops them too): {', '.join(unused[:3])}{more}",
+            err=True,
+        )
 
 
 @main.command()
@@ -124,6 +186,7 @@ def export(obj: Context) -> None:
         report = run_export(obj.config, obj.workdir, obj.checkpoint_dir())
     except (ExportError, CheckpointError) as e:
         raise UserError(str(e)) from None
+    obj.stage_done("export")
     fig = report["figures"]
     click.echo(
         f"{obj.workdir / 'exported'}: {len(fig['graphs'])} graphs over {len(fig['parts'])} parts, "
@@ -132,7 +195,7 @@ def export(obj: Context) -> None:
 
 
 @main.command()
-@click.option("--prompt", required=True, help="the user turn")
+@click.option("--prompt", required=True, envvar="G4V69_PROMPT", help="the user turn (or G4V69_PROMPT)")
 @click.option("--system", default=None, help="an optional system turn")
 @click.option("--raw", is_flag=True, help="send PROMPT as it is, without the chat template")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1))
@@ -158,6 +221,7 @@ def generate(
 ) -> None:
     """Run a prompt through the exported graphs on the host (onnxruntime), as the phone would."""
     from stages.chat import ChatError, ChatTokenizer
+    from stages.checkpoint import CheckpointError, stop_token_ids
     from stages.report import read_report
     from stages.runner import HostRunner, RunnerError, Sampling
 
@@ -171,10 +235,10 @@ def generate(
         gen = runner.generate(
             ids,
             max_new_tokens,
-            tok.stop_ids(runner.geo.config.get("eos_token_id")),
+            set(stop_token_ids(obj.checkpoint_dir())),
             Sampling(temperature, top_k, top_p, seed),
         )
-    except (ChatError, RunnerError) as e:
+    except (ChatError, RunnerError, CheckpointError) as e:
         raise UserError(str(e)) from None
     text = tok.decode(gen.tokens)
     figures = {
@@ -207,6 +271,11 @@ def generate(
     "--compare-ple-policies", is_flag=True, help="also measure the other PLE policies in the report"
 )
 @click.option(
+    "--compare-precisions",
+    is_flag=True,
+    help="also measure every other precision the SoC runs (w8a16 and the 4-bit schemes) in the report",
+)
+@click.option(
     "--provider",
     type=click.Choice(["cpu", "rocm"]),
     default="cpu",
@@ -215,9 +284,13 @@ def generate(
 )
 @click.pass_obj
 def quantize(
-    obj: Context, calibration_files: tuple[Path, ...], compare_ple_policies: bool, provider: str
+    obj: Context,
+    calibration_files: tuple[Path, ...],
+    compare_ple_policies: bool,
+    compare_precisions: bool,
+    provider: str,
 ) -> None:
-    """w8a16 QDQ graphs for the SoC (8-bit KV on v69), audited, with a quality report, into quantized/."""
+    """QDQ graphs at the precision for the SoC (8-bit KV on v69), audited, with a quality report."""
     from stages.calibration import CalibrationError
     from stages.checkpoint import CheckpointError
     from stages.quantize import QuantizeError, run_quantize
@@ -230,9 +303,11 @@ def quantize(
             list(calibration_files) or None,
             compare_ple_policies,
             provider,
+            compare_precisions=compare_precisions,
         )
     except (QuantizeError, CalibrationError, CheckpointError) as e:
         raise UserError(str(e)) from None
+    obj.stage_done("quantize")
     q = report["figures"]["quality"][obj.config.ple_policy]
     click.echo(
         f"{obj.workdir / 'quantized'}: {len(report['figures']['graphs'])} graphs; held-out top-1 agreement "
@@ -258,6 +333,7 @@ def compile_(obj: Context, jobs: int | None) -> None:
         report = run_compile(obj.config, obj.workdir, jobs)
     except CompileError as e:
         raise UserError(str(e)) from None
+    obj.stage_done("compile")
     fig = report["figures"]
     total = sum(b["bytes"] for b in fig["binaries"])
     # The binaries compile in child processes; the stage's own peak RSS misses theirs.
@@ -294,15 +370,41 @@ def bundle(obj: Context, check_manifest_path: Path | None) -> None:
         report = run_bundle(obj.config, obj.workdir, obj.checkpoint_dir())
     except (BundleError, ChatError) as e:
         raise UserError(str(e)) from None
+    obj.stage_done("bundle")
     fig = report["figures"]
     click.echo(
         f"{obj.workdir / 'genie_bundle'}: {fig['name']}, {fig['files']} files, {fig['bytes'] / 1e6:.1f} MB; "
         f"Genie's validator: {fig['genie_validator']}"
     )
+    _echo_bundle_limits(obj)
+
+
+def _echo_bundle_limits(obj: Context) -> None:
+    """Which of the SoC table's memory limits the bundle just built meets (FACTS.md s.2)."""
+    from stages.plan import built_limits, make_plan, render_limits
+    from stages.report import read_report
+
+    cfg = obj.config
+    compiled = read_report(obj.workdir / "compiled")
+    exported = read_report(obj.workdir / "exported")
+    geo = load_geometry(obj.checkpoint_dir() / "config.json")
+    luts = sum(
+        (obj.workdir / "exported" / lut["path"]).stat().st_size
+        for lut in exported["figures"]["luts"].values()
+    )
+    checks = built_limits(make_plan(geo, cfg), cfg, compiled["figures"]["binaries"], luts)
+    click.echo(f"Limits of {cfg.soc} against this bundle:")
+    click.echo("\n".join(render_limits(checks)))
 
 
 @main.command()
-@click.option("--prompt", default="What is the capital of France?", show_default=True, help="the user turn")
+@click.option(
+    "--prompt",
+    default="What is the capital of France?",
+    show_default=True,
+    envvar="G4V69_PROMPT",
+    help="the user turn (or G4V69_PROMPT)",
+)
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1))
 @click.option(
     "--engine",
@@ -331,6 +433,7 @@ def verify(
     from stages.bundle import BundleError
     from stages.chat import ChatError
     from stages.checkpoint import CheckpointError
+    from stages.runner import RunnerError
     from stages.verify import Thresholds, VerifyError, run_verify
 
     try:
@@ -343,7 +446,7 @@ def verify(
             engine,
             Thresholds.with_overrides(min_prefix, min_top1),
         )
-    except (VerifyError, BundleError, CheckpointError, ChatError) as e:
+    except (VerifyError, BundleError, CheckpointError, ChatError, RunnerError) as e:
         raise UserError(str(e)) from None
     fig = report["figures"]
     heldout = fig["heldout"]
@@ -408,7 +511,12 @@ def push(obj: Context) -> None:
 
 
 @main.command(name="run")
-@click.option("--prompt", required=True, help="the user turn; the bundle's chat template is applied")
+@click.option(
+    "--prompt",
+    required=True,
+    envvar="G4V69_PROMPT",
+    help="the user turn (or G4V69_PROMPT); the bundle's chat template is applied",
+)
 @click.pass_obj
 def run_(obj: Context, prompt: str) -> None:
     """Run PROMPT on the phone with genie-t2t-run; streams the answer and reports tokens/s."""
@@ -465,25 +573,6 @@ def show_config(obj: Context, as_json: bool, get: str | None) -> None:
 
 
 @main.command()
-@click.argument("stage", type=click.Choice(STAGES))
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True)
-@click.pass_obj
-def stamp(obj: Context, stage: str, output: Path) -> None:
-    """Write STAGE's config fields to OUTPUT, leaving the file untouched when they did not change.
-
-    Make lists the stamp as a prerequisite of the stage, so a changed option redoes that stage
-    (and, through its report, everything after it) while an unchanged one redoes nothing.
-    """
-    content = json.dumps({k: getattr(obj.config, k) for k in stage_fields(stage)}, indent=2) + "\n"
-    if output.is_file() and output.read_text() == content:
-        return
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp")
-    tmp.write_text(content)
-    tmp.replace(output)
-
-
-@main.command()
 @click.option(
     "--checkpoint-config",
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
@@ -497,8 +586,9 @@ def stamp(obj: Context, stage: str, output: Path) -> None:
 )
 @click.pass_obj
 def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Path | None) -> None:
-    """Parameters, bytes per part and graph, LUTs, KV cache, device memory and a decode roofline."""
-    from stages.plan import make_plan, render_plan
+    """Parameters, bytes per part and graph, LUTs, KV cache, device memory against the SoC's limits,
+    a decode roofline, and the layouts (precision x graph kinds) side by side."""
+    from stages.plan import make_layouts, make_plan, render_plan
 
     cfg = obj.config
     try:
@@ -516,13 +606,14 @@ def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Pa
                     "first or pass --checkpoint-config PATH/config.json"
                 )
         result = make_plan(geo, cfg)
+        layouts = make_layouts(geo, cfg)
     except (GeometryError, PartitionError) as e:
         raise UserError(str(e)) from None
-    data = {"config": cfg.to_dict(), **result.to_dict()}
+    data = {"config": cfg.to_dict(), **result.to_dict(), "layouts": [asdict(lay) for lay in layouts]}
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(output, data)
-    click.echo(json.dumps(data, indent=2) if as_json else render_plan(result))
+    click.echo(json.dumps(data, indent=2) if as_json else render_plan(result, layouts))
 
 
 @main.command()

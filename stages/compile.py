@@ -10,9 +10,10 @@ Three steps, whichever backend builds the binaries:
 2. rules check (`check_rules`): what the SoC table says the target cannot do is refused here, with
    the offending nodes listed, before anyone waits on a compiler: activation x activation MatMuls
    with two 16-bit sides without a 16x16 matmul (v69 silently inserts a Convert instead of failing),
-   graphs linked into one binary without weight sharing, a binary over the context size limit, and
-   a tensor named by several graphs (crossing parts, or shared by prefill and decode) with different
-   encodings, which Genie refuses at load (`stages.encoding.shared_tensor_mismatches`).
+   graphs linked into one binary without weight sharing, a binary whose estimated allocation is over
+   the SoC's per-context limit (the SoC table's context_allocation), and a tensor named by several
+   graphs (crossing parts, or shared by prefill and decode) with different encodings, which Genie
+   refuses at load (`stages.encoding.shared_tensor_mismatches`).
 3. a backend: `local` runs onnxruntime-qnn's offline HTP preparation for the SoC's soc_model and
    htp_arch (CPU fallback off, so a node the HTP cannot take fails the compile and is named), one
    process per binary, as many at once as memory allows; `aihub` (stages/aihub.py) submits compile
@@ -38,9 +39,10 @@ from stages.config import PipelineConfig, stage_fields
 from stages.contract import CACHE_PREFIX
 from stages.encoding import shared_tensor_mismatches
 from stages.graphs import Binary, binary_layout, qdq_file_name
-from stages.plan import CONTEXT_LIMIT_BYTES
+from stages.quiet import call_without_native_noise
 from stages.report import (
     REPORT_NAME,
+    check_inputs,
     proc_field_bytes,
     process_peak_rss_bytes,
     read_report,
@@ -68,6 +70,9 @@ EXTERNAL_DATA_BYTES = 1_900_000_000
 # peaked at 2 GB), plus a fixed overhead; used to decide how many graphs compile at once.
 COMPILE_RSS_PER_WEIGHT_BYTE = 4.5
 COMPILE_RSS_OVERHEAD = 600 << 20
+# QNN's refusal of an oversized context (fa_alloc.cc); a successful compile prints no estimate, even
+# at verbose log level (checked with QAIRT 2.51, soc 36 / v69).
+COMPILER_ESTIMATE = re.compile(r"estimated allocation of (\d+) KB, limit is (\d+) KB")
 
 
 class CompileError(ValueError):
@@ -156,15 +161,37 @@ def prepare_io(model) -> dict[str, dict[str, Encoding]]:
 
 
 def weight_bytes(model) -> int:
-    return sum(_tensor_bytes(t) for t in model.graph.initializer)
+    return sum(_tensor_bytes(t.data_type, t.dims) for t in model.graph.initializer)
 
 
-def _tensor_bytes(t) -> int:
+# ONNX element types narrower than a byte (numpy has no such dtype): INT4, UINT4.
+SUB_BYTE_BITS = {21: 4, 22: 4}
+
+
+def _tensor_bytes(data_type: int, dims) -> int:
     import numpy as np
     from onnx import helper
 
-    n = int(np.prod(t.dims)) if t.dims else 1
-    return n * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    n = int(np.prod(dims)) if len(dims) else 1
+    if data_type in SUB_BYTE_BITS:
+        return (n * SUB_BYTE_BITS[data_type] + 7) // 8
+    return n * np.dtype(helper.tensor_dtype_to_np_dtype(data_type)).itemsize
+
+
+def io_bytes(model) -> int:
+    """Bytes of the graph's input and output tensors, which the HTP allocates with the context."""
+    total = 0
+    for v in (*model.graph.input, *model.graph.output):
+        t = v.type.tensor_type
+        total += _tensor_bytes(t.elem_type, [d.dim_value for d in t.shape.dim])
+    return total
+
+
+def binary_allocation(models: list) -> int:
+    """Weights + graph I/O of one context binary: the part of the compiler's estimated allocation
+    that the graphs alone fix (the plan adds intermediates and spill-fill, which only the compiler
+    knows exactly). Graphs linked into one context share its weights; their I/O never coexists."""
+    return weight_bytes(models[0]) + max(io_bytes(m) for m in models)
 
 
 # ---- 2. rules ----
@@ -219,12 +246,16 @@ def check_rules(
                 f"{b.file}: links {', '.join(b.graphs)} into one weight-shared binary, which "
                 f"{soc.name} ({soc.dsp_arch}) cannot load (weight sharing needs v73+)"
             )
-        size = sum(weight_bytes(graphs[g]) for g in b.graphs if g in graphs)
-        if size >= CONTEXT_LIMIT_BYTES:
-            problems.append(
-                f"{b.file}: {size / 1e9:.2f} GB of weights, over the {CONTEXT_LIMIT_BYTES / 1e9:.0f} GB "
-                "per-context limit: raise num_shards"
-            )
+        models = [graphs[g] for g in b.graphs if g in graphs]
+        if models:
+            size = binary_allocation(models)
+            limit = soc.limits.context_allocation.bytes
+            if size > limit:
+                problems.append(
+                    f"{b.file}: needs an estimated allocation of at least {size // 1024} KB (weights + I/O), "
+                    f"over {soc.name}'s per-context limit of {limit // 1024} KB ({soc.dsp_arch}): "
+                    "raise num_shards (`g4v69 plan` names the smallest that fits)"
+                )
     problems += _cross_part_mismatches(encodings)
     return problems
 
@@ -313,6 +344,12 @@ def compile_local(
             if "fallback to CPU EP has been explicitly disabled" in detail:
                 nodes = _nodes_left_on_cpu(path, devices, options, work)
                 detail = f"the HTP cannot take these nodes: {', '.join(nodes[:20]) or '(unknown)'}"
+            estimate = COMPILER_ESTIMATE.search(detail)
+            if estimate:  # the compiler's own figure, which it prints only when it refuses
+                detail = (
+                    f"the compiler estimates {estimate.group(1)} KB, over its limit of {estimate.group(2)} "
+                    "KB per context: raise num_shards (`g4v69 plan` prices each binary)"
+                )
             raise CompileError(
                 f"{name}: onnxruntime-qnn could not compile it for soc_model {soc_model} / "
                 f"v{htp_arch}: {detail}"
@@ -464,11 +501,14 @@ def run_compile(
 
     soc = cfg.soc_info
     q_dir, q_report, sources = _load_quantized(cfg, workdir)
+    check_inputs(workdir, [q_dir])
     layout = binary_layout(cfg)
     out_dir = workdir / "compiled"
     options = {"model": cfg.model, "soc": cfg.soc, **{k: getattr(cfg, k) for k in stage_fields("compile")}}
     inputs = [q_dir / REPORT_NAME, *sources.values()]
-    with stage_output("compile", out_dir, inputs, options, root=workdir) as run:
+    # Prepared copies of the graphs, then binaries of about their size.
+    need = 2 * sum(f.stat().st_size for s in sources.values() for f in s.parent.glob(f"{s.name}*"))
+    with stage_output("compile", out_dir, inputs, options, root=workdir, need_bytes=need) as run:
         prepared_dir = run.dir / ".prepared"
         prepared_dir.mkdir()
         paths, models, encodings = prepare_graphs(sources, prepared_dir)
@@ -478,6 +518,7 @@ def run_compile(
                 f"the graphs break {soc.name}'s rules ({len(problems)}):\n  " + "\n  ".join(problems)
             )
         sizes = {b.file: sum(weight_bytes(models[g]) for g in b.graphs) for b in layout}
+        allocations = {b.file: binary_allocation([models[g] for g in b.graphs]) for b in layout}
         del models
         started = time.perf_counter()
         if cfg.compiler == "local":
@@ -509,6 +550,9 @@ def run_compile(
                 part=b.part,
                 weight_shared=b.weight_shared,
                 weight_bytes=sizes[b.file],
+                # Ours (weights + I/O): the compiler prints its own estimate only when it refuses.
+                estimated_allocation_bytes=allocations[b.file],
+                allocation_limit_bytes=soc.limits.context_allocation.bytes,
                 bytes=path.stat().st_size,
                 sha256=sha256_file(path),
             )
@@ -540,6 +584,7 @@ def _compile_all_local(soc: Soc, layout: list[Binary], paths: dict[str, Path], o
     ) as pool:
         futures = {
             pool.submit(
+                call_without_native_noise,
                 compile_local,
                 soc.soc_model,
                 soc.htp_arch,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from stages.precision import PRECISIONS, Precision
 from stages.soc import SOCS, Soc, get_soc
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -26,32 +27,6 @@ PLE_POLICIES = ("float16", "int16", "int8")
 PLE_LUT_BITS = (8, 16)
 KV_BITS = ("auto", "8", "16")
 CALIBRATION_DATASETS = ("wikitext-2-raw-v1", "files")
-
-
-@dataclass(frozen=True)
-class Precision:
-    name: str
-    weight_bits: int
-    activation_bits: int
-    # 4-bit weights on HTP are block-wise (LPBQ), which needs v69 or newer.
-    needs_lpbq: bool = False
-    # 16-bit weights against 16-bit activations need the v73+ 16x16 matmul.
-    needs_matmul_16x16: bool = False
-
-    def runs_on(self, soc: Soc) -> bool:
-        return (soc.lpbq_4bit_weights or not self.needs_lpbq) and (
-            soc.matmul_16x16 or not self.needs_matmul_16x16
-        )
-
-
-PRECISIONS: dict[str, Precision] = {
-    p.name: p
-    for p in (
-        Precision("w8a16", weight_bits=8, activation_bits=16),
-        Precision("w4a16", weight_bits=4, activation_bits=16, needs_lpbq=True),
-        Precision("w16a16", weight_bits=16, activation_bits=16, needs_matmul_16x16=True),
-    )
-}
 
 
 class ConfigError(ValueError):
@@ -73,10 +48,15 @@ def _meta(stage: str, doc: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    model: str = field(metadata=_meta("download", "Hugging Face repo id, or built-in: tiny, e2b-random"))
+    model: str = field(
+        metadata=_meta(
+            "download", "Hugging Face repo id, built-in (tiny, e2b-random), or a name for a FROM=DIR import"
+        )
+    )
     model_revision: str = field(metadata=_meta("download", "git revision of the model repo (pin a sha)"))
     soc: str = field(metadata=_meta("quantize", "target SoC, a row of the SoC table"))
-    precision: str = field(metadata=_meta("quantize", "weight/activation bits, e.g. w8a16"))
+    # The part split balances weight bytes at the precision (and the PLE policy), so both re-export.
+    precision: str = field(metadata=_meta("export", "quantization scheme: w4a16 (int4 per channel), w8a16"))
     max_context: int = field(metadata=_meta("export", "context length in tokens (KV cache slots)"))
     prefill_ar: int = field(metadata=_meta("export", "tokens per prefill graph call (AR-N)"))
     decode_ar: int = field(metadata=_meta("export", "tokens per decode graph call"))
@@ -88,7 +68,7 @@ class PipelineConfig:
     calibration_dataset: str = field(metadata=_meta("quantize", "wikitext-2-raw-v1, or files (local text)"))
     calibration_samples: int = field(metadata=_meta("quantize", "number of calibration sequences"))
     calibration_tokens: int = field(metadata=_meta("quantize", "tokens per calibration sequence, at most"))
-    ple_policy: str = field(metadata=_meta("quantize", "precision of the in-graph per-layer-embedding paths"))
+    ple_policy: str = field(metadata=_meta("export", "precision of the in-graph per-layer-embedding paths"))
     ple_lut_bits: int = field(metadata=_meta("export", "bits per entry of the per-layer embedding LUT"))
     kv_bits: str = field(metadata=_meta("quantize", "KV cache bits: auto (8 without 16x16 matmul), 8 or 16"))
 
@@ -130,6 +110,29 @@ class PipelineConfig:
 FIELD_NAMES = tuple(f.name for f in fields(PipelineConfig))
 _FIELD_TYPES = {f.name: f.type for f in fields(PipelineConfig)}
 _HF_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# A checkpoint imported with FROM=DIR may be named like a folder (checkpoints/<name>).
+_FOLDER_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
+
+
+def is_repo_id(model: str) -> bool:
+    return bool(_HF_REPO_ID.match(model))
+
+
+def model_name_from_dir(from_dir: str | Path) -> str:
+    """The MODEL a FROM=DIR import gets when none is given: the folder's name, or owner/name for a
+    Hugging Face cache snapshot (.../models--owner--name/snapshots/<sha>)."""
+    path = Path(from_dir).resolve()
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        owner_name = path.parent.parent.name.removeprefix("models--").split("--", 1)
+        if len(owner_name) == 2 and is_repo_id("/".join(owner_name)):
+            return "/".join(owner_name)
+    if not _FOLDER_NAME.match(path.name):
+        raise ConfigError(
+            "model",
+            f"cannot name the checkpoint after FROM={from_dir}: {path.name!r} is not a plain folder name "
+            "(letters, digits, '.', '_', '-'); set MODEL to one",
+        )
+    return path.name
 
 
 def field_doc(name: str) -> str:
@@ -141,6 +144,22 @@ def stage_fields(stage: str) -> list[str]:
     if stage not in STAGES:
         raise ConfigError("stage", f"{stage!r} is not a stage; allowed values: {', '.join(STAGES)}")
     return [f.name for f in fields(PipelineConfig) if f.metadata["stage"] == stage]
+
+
+def stage_key(cfg: PipelineConfig, stage: str) -> dict[str, Any]:
+    """The config fields a stage's output depends on: its own and every earlier stage's."""
+    upto = STAGES[: STAGES.index(stage) + 1]
+    return {k: getattr(cfg, k) for s in upto for k in stage_fields(s)}
+
+
+def stamp_name(cfg: PipelineConfig, stage: str) -> str:
+    """The file name of the stamp that says `stage` finished for this config (see report.write_stamp):
+    keyed by the hash of stage_key, so another config's run neither removes nor reuses it."""
+    import hashlib
+    import json
+
+    key = hashlib.sha256(json.dumps(stage_key(cfg, stage), sort_keys=True).encode()).hexdigest()[:12]
+    return f"download-{cfg.checkpoint_name}-{key}.json" if stage == "download" else f"{stage}-{key}.json"
 
 
 _QAIRT_VERSION = re.compile(r"^\d+\.\d+$")
@@ -177,11 +196,11 @@ def _at_least(name: str, value: int, minimum: int, why: str = "") -> None:
 
 def validate(cfg: PipelineConfig) -> PipelineConfig:
     """Return cfg with normalised names, or raise ConfigError for the first bad field."""
-    if not (cfg.model in BUILTIN_MODELS or _HF_REPO_ID.match(cfg.model)):
+    if not (cfg.model in BUILTIN_MODELS or is_repo_id(cfg.model) or _FOLDER_NAME.match(cfg.model)):
         raise ConfigError(
             "model",
-            f"{cfg.model!r} is neither a Hugging Face repo id (owner/name) nor a built-in model; "
-            f"built-in models: {', '.join(BUILTIN_MODELS)}",
+            f"{cfg.model!r} is neither a Hugging Face repo id (owner/name), a built-in model "
+            f"({', '.join(BUILTIN_MODELS)}) nor a folder name for a FROM=DIR import",
         )
     if not cfg.model_revision.strip():
         raise ConfigError("model_revision", "must not be empty (use a commit sha or 'main')")
@@ -189,8 +208,14 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
     cfg = dataclasses.replace(cfg, soc=cfg.soc.upper())
     soc = cfg.soc_info
     _one_of("precision", cfg.precision, list(PRECISIONS))
+    if cfg.precision_info.not_built:
+        built = [p.name for p in PRECISIONS.values() if not p.not_built and p.runs_on(soc)]
+        raise ConfigError(
+            "precision",
+            f"{cfg.precision} is refused: {cfg.precision_info.not_built}; allowed values: {', '.join(built)}",
+        )
     if not cfg.precision_info.runs_on(soc):
-        allowed = [p.name for p in PRECISIONS.values() if p.runs_on(soc)]
+        allowed = [p.name for p in PRECISIONS.values() if p.runs_on(soc) and not p.not_built]
         raise ConfigError(
             "precision",
             f"{cfg.precision} cannot run on {soc.name} ({soc.dsp_arch}); "
@@ -258,13 +283,35 @@ def load_config(
     return validate(PipelineConfig(**values))
 
 
+def main(argv: list[str], environ: dict[str, str]) -> str:
+    """`python3 -m stages.config --preset P [--<field> V]... [--from DIR]`: the model (named after DIR
+    when no model is given), its checkpoint folder name and the stamp names of the stages that have
+    one, on one line. The Makefile needs them to name its targets before any image exists (this module
+    is stdlib-only); it passes the same options as to `g4v69`, and G4V69_<FIELD> variables count as
+    they do for `g4v69`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python3 -m stages.config")
+    parser.add_argument("--preset", default=environ.get("G4V69_PRESET") or DEFAULT_PRESET)
+    parser.add_argument("--from", dest="from_dir")
+    for name in FIELD_NAMES:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name)
+    args = vars(parser.parse_args(argv))
+    preset = args.pop("preset")
+    from_dir = args.pop("from_dir")
+    overrides = {k: environ.get(f"G4V69_{k.upper()}") or None for k in FIELD_NAMES}
+    overrides.update({k: v for k, v in args.items() if v is not None})
+    if not overrides.get("model") and from_dir:
+        overrides["model"] = model_name_from_dir(from_dir)
+    cfg = load_config(preset, overrides)
+    return " ".join([cfg.model, cfg.checkpoint_name] + [stamp_name(cfg, s) for s in STAGES[:-1]])
+
+
 if __name__ == "__main__":
-    # `python3 -m stages.config PRESET [MODEL]` prints the checkpoint folder name. The Makefile needs
-    # it to name the download stage's output before any image exists; this module is stdlib-only.
+    import os
     import sys
 
-    args = sys.argv[1:] + [""]
     try:
-        print(load_config(args[0], {"model": args[1] or None}).checkpoint_name)
+        print(main(sys.argv[1:], dict(os.environ)))
     except ConfigError as e:
         sys.exit(f"error: {e}")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.checkpoint import GEMMA4_MODEL_TYPES, INDEX_NAME, TEXT_PREFIXES
+from stages.config import is_repo_id
 from stages.geometry import (
     E2B_TEXT_CONFIG,
     TINY_TEXT_CONFIG,
@@ -348,9 +349,15 @@ class CheckpointSummary:
     other_tensors: int
     dtypes: tuple[str, ...]
     text_prefix: str = TEXT_PREFIX
+    # Stored language-model tensors the model has no place for, dropped as transformers drops them:
+    # K/V weights of KV-shared layers, and (unused_tensors) anything else, which transformers warns about.
+    ignored_tensors: tuple[str, ...] = ()
+    unused_tensors: tuple[str, ...] = ()
 
     def figures(self) -> dict[str, Any]:
         return {
+            "ignored_tensors": list(self.ignored_tensors),
+            "unused_tensors": list(self.unused_tensors),
             "text_prefix": self.text_prefix,
             "files": self.files,
             "bytes": self.bytes,
@@ -424,9 +431,10 @@ def validate_checkpoint(
     Checked: the required files exist and parse; config.json is Gemma 4; every safetensors file
     (and every file the index names) opens; every language-model tensor of the geometry is present
     under `model.language_model.` (or, for a text-only save, `model.`) with its shape. Non-text
-    tensors (vision, audio) are skipped; extra text tensors are tolerated (the real checkpoint may
-    keep k/v weights of KV-shared layers, which transformers ignores). With `remote`, sizes and LFS
-    sha256 values are compared too.
+    tensors (vision, audio) are skipped; extra text tensors are accepted and listed, as transformers
+    accepts them: the K/V weights of KV-shared layers that the published E2B-it keeps (ignored_tensors,
+    which transformers drops silently) and anything else (unused_tensors, which it drops with a
+    warning). With `remote`, sizes and LFS sha256 values are compared too.
     """
     from safetensors import safe_open
 
@@ -486,7 +494,10 @@ def validate_checkpoint(
     ]
     if wrong:
         raise DownloadError(f"{len(wrong)} tensors have the wrong shape for config.json: {_first(wrong, 3)}")
+    extra = sorted(set(found) - {t.name for t in expected})
     return CheckpointSummary(
+        ignored_tensors=tuple(prefix + n for n in extra if geo.is_shared_kv_leftover(n)),
+        unused_tensors=tuple(prefix + n for n in extra if not geo.is_shared_kv_leftover(n)),
         files=len(names),
         bytes=sum((folder / n).stat().st_size for n in names),
         text_tensors=len(expected),
@@ -688,8 +699,13 @@ def run_download(
         source = "from"
     elif model in BUILTIN_TEXT_CONFIGS:
         source = "builtin"
-    else:
+    elif is_repo_id(model):
         source = "hf"
+    else:
+        raise DownloadError(
+            f"model {model!r} is a name for an imported folder, not a Hugging Face repo id (owner/name) or a "
+            f"built-in model; import the folder with `make download FROM=DIR` (g4v69 download --from DIR)"
+        )
     options = {"model": model, "model_revision": model_revision, "source": source}
     if from_dir is not None:
         options["from"] = str(from_dir)

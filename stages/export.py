@@ -27,7 +27,7 @@ from stages.checkpoint import Checkpoint
 from stages.config import PipelineConfig, stage_fields
 from stages.contract import ATTENTION_MASK_MIN, GraphSpec, graph_specs
 from stages.geometry import Geometry
-from stages.report import REPORT_NAME, read_report, stage_output
+from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
 from stages.runner import LutSpec
 
 OPSET = 23
@@ -161,12 +161,13 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     from tqdm import tqdm
 
     from stages.graphs import PartitionError
-    from stages.plan import CONTEXT_LIMIT_BYTES, make_plan, part_layers
+    from stages.plan import make_plan, over_context_limit, part_layers
 
     if read_report(checkpoint_dir) is None:
         raise ExportError(
             f"{checkpoint_dir} is not a complete download (no {REPORT_NAME}); run `make download` first"
         )
+    check_inputs(workdir, [checkpoint_dir])
     ckpt = Checkpoint(checkpoint_dir)
     geo = ckpt.geometry
     try:
@@ -174,12 +175,10 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
         specs = graph_specs(geo, cfg, parts)
     except (PartitionError, ValueError) as e:
         raise ExportError(str(e)) from None
-    too_big = [p for p in make_plan(geo, cfg).parts if p.bytes >= CONTEXT_LIMIT_BYTES]
+    # The parts are cut here, so a part the compiler would refuse is refused before anything is built.
+    too_big = over_context_limit(geo, cfg)
     if too_big:
-        raise ExportError(
-            f"{too_big[0].name} would hold {too_big[0].bytes / 1e9:.2f} GB of weights at {cfg.precision}, "
-            f"over the 4 GB per-context limit; raise NUM_SHARDS (now {cfg.num_shards})"
-        )
+        raise ExportError(too_big)
     weight_files = sorted(set(ckpt.files.values()))
     missing = [t.name for t in geo.all_tensors() if ckpt.prefix + t.name not in ckpt.files]
     if missing:
@@ -190,7 +189,10 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     inputs = [checkpoint_dir / "config.json", *weight_files]
     from stages.decoder import matmul_layout, part_weight_names
 
-    with stage_output("export", out_dir, inputs, options, root=workdir) as run:
+    # Each graph holds its part's weights in float32 (E2B: 18.2 GB of graphs + 3.2 GB of LUTs).
+    plan = make_plan(geo, cfg)
+    need = 4 * sum(p.params for p in plan.parts) * len(specs) // len(parts) + sum(plan.luts.values())
+    with stage_output("export", out_dir, inputs, options, root=workdir, need_bytes=need) as run:
         graphs: list[dict[str, Any]] = []
         progress = tqdm(total=len(specs), desc="export graphs", unit="graph")
         for p in range(len(parts)):

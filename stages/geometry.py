@@ -177,18 +177,112 @@ class Geometry:
     def total_params(self) -> int:
         return sum(t.numel for t in self.all_tensors())
 
+    def is_shared_kv_leftover(self, name: str) -> bool:
+        """Whether `name` (relative to the language model) is a K/V weight of a KV-shared layer.
+
+        Those layers have no K/V projections, yet some checkpoints store them (the published
+        gemma-4-E2B-it keeps k_proj, v_proj and k_norm for layers 15-34); transformers drops them on
+        load (Gemma4TextModel's _keys_to_ignore_on_load_unexpected), and so does this pipeline.
+        """
+        parts = name.split(".")
+        if len(parts) < 4 or parts[0] != "layers" or parts[2] != "self_attn" or not parts[1].isdigit():
+            return False
+        index = int(parts[1])
+        return (
+            index < self.num_layers
+            and not self.layers[index].owns_kv
+            and parts[3] in ("k_proj", "v_proj", "k_norm", "v_norm")
+        )
+
 
 def _require(cfg: dict[str, Any], key: str) -> Any:
-    if key not in cfg:
+    if cfg.get(key) is None:
         raise GeometryError(f"text config lacks '{key}'; is this a Gemma 4 config.json?")
     return cfg[key]
 
 
 def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
-    """The text sub-config of a multimodal Gemma 4 config.json, or the config itself if text-only."""
+    """The text config of a config.json: `text_config` of a multimodal save
+    (Gemma4ForConditionalGeneration), or the config itself for a bare text save (Gemma4ForCausalLM)."""
     if "text_config" in config:
-        return config["text_config"]
+        text = config["text_config"]
+        if not isinstance(text, dict):
+            raise GeometryError(f"text_config is {text!r}, not an object; is this a Gemma 4 config.json?")
+        return text
     return config
+
+
+# What transformers' Gemma 4 reads per layer from per_layer_config (Gemma4TextAttention).
+PER_LAYER_FIELDS = ("head_dim", "num_key_value_heads")
+
+
+def _layer_overrides(cfg: dict[str, Any], layer_types: list[str]) -> dict[int, dict[str, int]]:
+    """Per-layer head_dim / num_key_value_heads overrides, read as transformers 5.23 reads them.
+
+    Two forms exist. transformers saves `per_layer_config` (layer index keys as strings, zero-padded
+    to sort, e.g. "04"; only values that differ from the global ones). The published configs instead
+    give `global_head_dim` (and `num_global_key_value_heads`, which transformers applies only with
+    `attention_k_eq_v`) for the full-attention layers. When `per_layer_config` is present, even
+    empty, transformers ignores the global_* fields, and so does this.
+    """
+    n = len(layer_types)
+    if "per_layer_config" not in cfg:
+        if cfg.get("global_head_dim") is None:
+            raise GeometryError(
+                "text config gives neither 'per_layer_config' nor 'global_head_dim' (the head size of the "
+                "full-attention layers); add the one your checkpoint was trained with"
+            )
+        return {i: {"head_dim": cfg["global_head_dim"]} for i, t in enumerate(layer_types) if t == FULL}
+    raw = cfg["per_layer_config"] or {}
+    if not isinstance(raw, dict):
+        raise GeometryError(f"per_layer_config is {raw!r}, not an object of layer index -> overrides")
+    out: dict[int, dict[str, int]] = {}
+    for key, overrides in raw.items():
+        try:
+            index = int(key)
+        except (TypeError, ValueError):
+            raise GeometryError(f"per_layer_config key {key!r} is not a layer index") from None
+        if not 0 <= index < n:
+            raise GeometryError(f"per_layer_config key {key!r} is not a layer index in 0..{n - 1}")
+        if not isinstance(overrides, dict):
+            raise GeometryError(f"per_layer_config[{key!r}] is {overrides!r}, not an object")
+        unknown = sorted(set(overrides) - set(PER_LAYER_FIELDS))
+        if unknown:
+            raise GeometryError(
+                f"per_layer_config[{key!r}] sets {', '.join(unknown)}; Gemma 4 reads only "
+                f"{' and '.join(PER_LAYER_FIELDS)} per layer"
+            )
+        out[index] = dict(overrides)
+    return out
+
+
+def _attention_shapes(cfg: dict[str, Any], layer_types: list[str]) -> tuple[list[int], int]:
+    """(head_dim of every layer, the KV head count), with the limits transformers and the graphs share."""
+    head_dim = _require(cfg, "head_dim")
+    n_heads = _require(cfg, "num_attention_heads")
+    n_kv = _require(cfg, "num_key_value_heads")
+    overrides = _layer_overrides(cfg, layer_types)
+    dims = [overrides.get(i, {}).get("head_dim", head_dim) for i in range(len(layer_types))]
+    kvs = [overrides.get(i, {}).get("num_key_value_heads", n_kv) for i in range(len(layer_types))]
+    for kind in (SLIDING, FULL):
+        of_kind = {i: d for i, d in enumerate(dims) if layer_types[i] == kind}
+        if len(set(of_kind.values())) > 1:
+            # transformers builds one RoPE table per layer type from that type's head_dim.
+            listed = ", ".join(f"layer {i}: {d}" for i, d in of_kind.items())
+            raise GeometryError(
+                f"per_layer_config gives the {kind} layers different head_dim values ({listed}); "
+                "Gemma 4 needs one head_dim per layer type"
+            )
+    if len(set(kvs)) > 1:
+        raise GeometryError(
+            f"per_layer_config gives layers different num_key_value_heads ({sorted(set(kvs))}); this "
+            "pipeline needs one KV head count for every layer (as in E2B and E4B)"
+        )
+    if n_heads % kvs[0]:
+        raise GeometryError(
+            f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {kvs[0]}"
+        )
+    return dims, kvs[0]
 
 
 def kv_donors(layer_types: list[str], num_kv_shared_layers: int) -> list[int]:
@@ -207,28 +301,59 @@ def kv_donors(layer_types: list[str], num_kv_shared_layers: int) -> list[int]:
 
 
 def geometry_from_config(config: dict[str, Any]) -> Geometry:
+    """The geometry of a Gemma 4 config.json (multimodal or text-only), in every form transformers
+    writes or Google publishes; a value no form gives is a GeometryError naming the field."""
     cfg = text_config_of(config)
     if cfg.get("enable_moe_block"):
         raise GeometryError("MoE Gemma 4 variants are not supported; use an E2B/E4B-style config")
+    if cfg.get("attention_k_eq_v"):
+        raise GeometryError(
+            "attention_k_eq_v is true (full-attention keys double as values, as in the larger Gemma 4 "
+            "models); this pipeline handles E2B/E4B-style attention only"
+        )
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise GeometryError("use_bidirectional_attention is 'all': not a causal language model")
+    for tied in (config.get("tie_word_embeddings"), cfg.get("tie_word_embeddings")):
+        if tied is False:
+            raise GeometryError(
+                "tie_word_embeddings is false: this pipeline's lm_head is the embedding table, as in every "
+                "published Gemma 4"
+            )
     hidden = _require(cfg, "hidden_size")
     n_layers = _require(cfg, "num_hidden_layers")
     n_heads = _require(cfg, "num_attention_heads")
-    n_kv = _require(cfg, "num_key_value_heads")
-    head_dim = _require(cfg, "head_dim")
-    global_head_dim = cfg.get("global_head_dim", 512)
     vocab = _require(cfg, "vocab_size")
-    layer_types = cfg.get("layer_types") or [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n_layers)]
+    layer_types = list(cfg.get("layer_types") or [])
+    if not layer_types:
+        layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n_layers)]
     if len(layer_types) != n_layers:
         raise GeometryError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
-    n_shared = cfg.get("num_kv_shared_layers", 0)
+    odd = sorted(set(layer_types) - {SLIDING, FULL})
+    if odd:
+        raise GeometryError(f"layer_types holds {odd[0]!r}; Gemma 4 layers are {SLIDING} or {FULL}")
+    # transformers turns the last layer into a full-attention one whatever the config says.
+    layer_types[-1] = FULL
+    head_dims, n_kv = _attention_shapes(cfg, layer_types)
+    n_shared = cfg.get("num_kv_shared_layers") or 0
     donors = kv_donors(layer_types, n_shared)
     ple_dim = cfg.get("hidden_size_per_layer_input") or 0
     inter = _require(cfg, "intermediate_size")
     inters = inter if isinstance(inter, list) else [inter] * n_layers
+    full_dims = [d for d, t in zip(head_dims, layer_types, strict=True) if t == FULL]
+    sliding_dims = [d for d, t in zip(head_dims, layer_types, strict=True) if t == SLIDING]
+    # One normalised form for the other stages and transformers: global_head_dim, no per_layer_config.
+    normalised = {k: v for k, v in cfg.items() if k not in ("per_layer_config", "num_global_key_value_heads")}
+    normalised.update(
+        layer_types=layer_types,
+        head_dim=sliding_dims[0] if sliding_dims else cfg["head_dim"],
+        global_head_dim=full_dims[0],
+        num_key_value_heads=n_kv,
+        num_kv_shared_layers=n_shared,
+    )
 
     layers = []
     for i, kind in enumerate(layer_types):
-        hd = global_head_dim if kind == FULL else head_dim
+        hd = head_dims[i]
         owns = donors[i] == i
         width = inters[i] * (2 if cfg.get("use_double_wide_mlp") and not owns else 1)
         p = f"layers.{i}."
@@ -276,7 +401,7 @@ def geometry_from_config(config: dict[str, Any]) -> Geometry:
             Tensor("per_layer_projection_norm.weight", (ple_dim,), PLE),
         )
     return Geometry(
-        config=dict(cfg, layer_types=list(layer_types), global_head_dim=global_head_dim),
+        config=normalised,
         layers=tuple(layers),
         embedding=Tensor("embed_tokens.weight", (vocab, hidden), EMBEDDING),
         ple_table=ple_table,

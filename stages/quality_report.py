@@ -41,6 +41,12 @@ def _calibration(c: dict[str, Any]) -> str:
     return html.escape(text + (f" (stride {c['stride']})" if c.get("stride") else ""))
 
 
+def _min_sqnr(q: dict[str, Any]) -> str:
+    """The worst per-output SQNR of a quality entry (its weakest layer or part output)."""
+    values = [db for outputs in q.get("sqnr_db", {}).values() for db in outputs.values()]
+    return f"{min(values):.1f}" if values else ""
+
+
 def write_quality_html(path: Path, figures: dict[str, Any]) -> None:
     quality = figures["quality"]
     rows = "".join(
@@ -50,6 +56,15 @@ def write_quality_html(path: Path, figures: dict[str, Any]) -> None:
         + "".join(f"<td>{q.get(c, '')}</td>" for c in QUALITY_COLUMNS)
         + "</tr>"
         for policy, q in quality.items()
+    )
+    by_precision = figures.get("quality_by_precision", {})
+    precision_rows = "".join(
+        "<tr><td>"
+        + html.escape(name)
+        + "</td>"
+        + "".join(f"<td>{q.get(c, '')}</td>" for c in QUALITY_COLUMNS)
+        + f"<td>{_min_sqnr(q)}</td></tr>"
+        for name, q in by_precision.items()
     )
     chosen = quality[figures["ple_policy"]]
     per_layer = {}
@@ -69,6 +84,9 @@ PLE {html.escape(figures["ple_policy"])}</h1>
 ({figures["evaluation"]["samples"]} samples of {figures["evaluation"]["tokens_per_sample"]} tokens; prefill,
 then teacher-forced decode steps). Calibration: {_calibration(figures["calibration"])}.</p>
 <table><tr><th>PLE policy</th>{"".join(f"<th>{c}</th>" for c in QUALITY_COLUMNS)}</tr>{rows}</table>
+<h2>Precisions (weight schemes; PLE {html.escape(figures["ple_policy"])})</h2>
+<table><tr><th>precision</th>{"".join(f"<th>{c}</th>" for c in QUALITY_COLUMNS)}<th>min SQNR (dB)</th></tr>
+{precision_rows}</table>
 <h2>Per-layer error (SQNR of each owner layer's new K/V entries, prefill graphs)</h2>
 {_bars("KV cache outputs", per_layer, "dB")}
 <h2>Per-part outputs (SQNR)</h2>

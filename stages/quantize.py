@@ -48,7 +48,8 @@ from stages.contract import (
 )
 from stages.encoding import Encoding
 from stages.graphs import qdq_file_name
-from stages.report import REPORT_NAME, read_report, stage_output
+from stages.precision import INT8_CHANNEL
+from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
 
 # Ops that move or regroup values without changing them: a tensor and its image share an encoding.
 ENCODING_PRESERVING = {"Concat", "Slice", "Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze"}
@@ -173,11 +174,14 @@ def analyse(model) -> GraphAnalysis:
 class _FeedsReader:
     """An onnxruntime CalibrationDataReader over a stream of feeds."""
 
-    def __init__(self, feeds: Iterator[dict[str, np.ndarray]], expected: int):
+    def __init__(self, feeds: Iterator[dict[str, np.ndarray]], expected: int, desc: str = "calibrate"):
+        from tqdm import tqdm
+
         self.feeds = feeds
         self.expected = expected  # onnxruntime's strided calibrators ask for len()
         self.count = 0
         self.budget: int | None = None
+        self.progress = tqdm(total=expected, desc=desc, unit="call", leave=False)
 
     def __len__(self) -> int:
         return self.expected
@@ -194,6 +198,9 @@ class _FeedsReader:
         item = next(self.feeds, None)
         if item is not None:
             self.count += 1
+            self.progress.update()
+        else:
+            self.progress.close()
         return item
 
 
@@ -231,9 +238,11 @@ def calibrated_ranges(runner, samples: list[list[int]]) -> CalibratedRanges:
             elif BOUNDARY_TENSOR.match(name):
                 widen(boundary, name, value)
 
+    from tqdm import tqdm
+
     runner.observer = observe
     try:
-        for sample in samples:
+        for sample in tqdm(samples, desc="calibrate KV and part ranges", unit="sample", leave=False):
             runner.reset()
             runner.prefill(sample)
     finally:
@@ -292,6 +301,191 @@ def quant_settings(
     return overrides, excluded
 
 
+# ---- weight schemes (stages/precision.py) ----
+# onnxruntime's quantizer writes every MatMul weight as int8 per output channel; a precision with other
+# decoder weights rewrites those DequantizeLinear nodes from the float weights afterwards. The lm_head
+# and the PLE paths keep what the precision and the PLE policy give them.
+LM_HEAD_WEIGHT = "lm_head.weight"
+
+
+def weight_role(weight: str) -> str:
+    """decoder, lm_head or ple: which row of the precision table a MatMul weight follows."""
+    if weight.endswith(LM_HEAD_WEIGHT):
+        return "lm_head"
+    if weight.endswith(PLE_WEIGHT_SUFFIXES):
+        return "ple"
+    return "decoder"
+
+
+def expected_scheme(cfg: PipelineConfig, weight: str):
+    """The WeightScheme a MatMul weight must have, or None where the PLE policy keeps it float."""
+    from stages.plan import PLE_POLICY_SCHEMES
+
+    role = weight_role(weight)
+    if role == "lm_head":
+        return cfg.precision_info.lm_head
+    if role == "ple":
+        return None if cfg.ple_policy == "float16" else PLE_POLICY_SCHEMES[cfg.ple_policy]
+    return cfg.precision_info.decoder_weights
+
+
+def _pack_int4(q: np.ndarray) -> bytes:
+    """ONNX INT4 storage: two values per byte, the first in the low nibble."""
+    flat = q.astype(np.int8).ravel()
+    if flat.size % 2:
+        flat = np.append(flat, np.int8(0))
+    nibbles = (flat & 0x0F).astype(np.uint8)
+    return (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
+
+
+def _int4_tensor(name: str, q: np.ndarray):
+    from onnx import TensorProto, helper
+
+    return helper.make_tensor(name, TensorProto.INT4, list(q.shape), _pack_int4(q), raw=True)
+
+
+def int4_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int4 per output channel of a (in, out) weight: (values, scale per column)."""
+    scale = np.abs(w).max(axis=0) / 7.0
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -8, 7).astype(np.int8)
+    return q, scale
+
+
+def int4_lpbq(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """LPBQ of a (in, out) weight, blocks of `block` input rows: (int4 values, uint8 block scales
+    (in/block, out), float scale per column); a block's scale is its uint8 times its column's."""
+    rows, cols = w.shape
+    blocks = w.reshape(rows // block, block, cols)
+    block_scale = np.abs(blocks).max(axis=1) / 7.0  # (nb, out)
+    channel = block_scale.max(axis=0) / 255.0
+    channel = np.where(channel > 0, channel, 1.0).astype(np.float32)
+    q_scale = np.clip(np.rint(block_scale / channel), 1, 255).astype(np.uint8)
+    effective = (q_scale * channel)[:, None, :]
+    q = np.clip(np.rint(blocks / effective), -8, 7).astype(np.int8).reshape(rows, cols)
+    return q, q_scale, channel
+
+
+def lpbq_block(scheme, rows: int) -> int:
+    """The block size a weight with `rows` input rows gets: the scheme's, or one block per column
+    where the whole column is shorter (tiny test models; every E2B input width is a multiple of 64)."""
+    return min(scheme.block_size, rows)
+
+
+def apply_weight_scheme(cfg: PipelineConfig, qmodel, float_weights: dict[str, np.ndarray]) -> int:
+    """Rewrite the int8 weight DequantizeLinear of every MatMul whose scheme is 4-bit (`float_weights`:
+    MatMul node name -> its float (in, out) weight). Returns how many weights were rewritten."""
+    from onnx import helper, numpy_helper
+
+    graph = qmodel.graph
+    inits = {i.name: i for i in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    rewritten, new_nodes = 0, {}
+
+    def replace_init(name: str, tensor) -> None:
+        graph.initializer.remove(inits[name])
+        tensor.name = name
+        graph.initializer.append(tensor)
+        inits[name] = tensor
+
+    for node in graph.node:
+        if node.op_type != "MatMul" or node.name not in float_weights:
+            continue
+        dq = producer.get(node.input[1])
+        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
+            continue
+        w = float_weights[node.name]
+        scheme = expected_scheme(cfg, _weight_name(dq))
+        if scheme is None or scheme.bits != 4:
+            continue
+        q_name, s_name = dq.input[0], dq.input[1]
+        if len(dq.input) < 3 or not dq.input[2]:  # symmetric weights may come without a zero point
+            zp_name = f"{q_name}_zero_point4"
+            graph.initializer.append(numpy_helper.from_array(np.zeros(1, np.int8), zp_name))
+            inits[zp_name] = graph.initializer[-1]
+            del dq.input[2:]
+            dq.input.append(zp_name)
+        zp_name = dq.input[2]
+        if not scheme.blockwise:
+            q, scale = int4_channel(w)
+            replace_init(q_name, _int4_tensor(q_name, q))
+            replace_init(s_name, numpy_helper.from_array(scale))
+            replace_init(zp_name, _int4_tensor(zp_name, np.zeros(scale.shape, np.int8)))
+        else:
+            block = lpbq_block(scheme, w.shape[0])
+            if w.shape[0] % block:
+                raise QuantizeError(
+                    f"{node.name}: {w.shape[0]} input rows are not a multiple of the {scheme.name} block "
+                    f"size {scheme.block_size}; use precision w4a16-channel for this model"
+                )
+            q, q_scale, channel = int4_lpbq(w, block)
+            base = q_name.removesuffix("_quantized")
+            block_scales = f"{base}_block_scales"
+            for suffix, arr in (
+                ("_block_scales_q", q_scale),
+                ("_channel_scale", channel),
+                ("_block_scales_zero_point", np.zeros(channel.shape, np.uint8)),
+            ):
+                graph.initializer.append(numpy_helper.from_array(arr, base + suffix))
+            new_nodes[dq.name] = helper.make_node(
+                "DequantizeLinear",
+                [base + "_block_scales_q", base + "_channel_scale", base + "_block_scales_zero_point"],
+                [block_scales],
+                name=f"{base}_block_scales_DequantizeLinear",
+                axis=1,
+            )
+            replace_init(q_name, _int4_tensor(q_name, q))
+            graph.initializer.remove(inits.pop(s_name))
+            replace_init(zp_name, _int4_tensor(zp_name, np.zeros(q_scale.shape, np.int8)))
+            dq.input[1] = block_scales
+            del dq.attribute[:]
+            dq.attribute.extend(
+                [helper.make_attribute("axis", 0), helper.make_attribute("block_size", block)]
+            )
+        rewritten += 1
+    if new_nodes:  # each block-scale DQ goes right before the weight DQ that reads it
+        nodes = []
+        for n in graph.node:
+            if n.name in new_nodes:
+                nodes.append(new_nodes[n.name])
+            nodes.append(n)
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return rewritten
+
+
+def rewrite_weights(cfg: PipelineConfig, src: Path, dest: Path) -> None:
+    """Give the quantized graph at dest the precision's decoder weights, from the float graph at src."""
+    import onnx
+
+    qmodel = onnx.load(str(dest))
+    if not apply_weight_scheme(cfg, qmodel, matmul_float_weights(src)):
+        raise QuantizeError(f"{dest.name}: no decoder weight took the {cfg.precision} scheme")
+    data = dest.with_name(dest.name + ".data")
+    large = data.exists() or sum(len(i.raw_data) for i in qmodel.graph.initializer) > 1_900_000_000
+    data.unlink(missing_ok=True)  # onnx appends to an existing external-data file
+    onnx.save(qmodel, str(dest), save_as_external_data=large, location=data.name)
+
+
+def _weight_name(dq) -> str:
+    """The float weight a weight DequantizeLinear stands for (onnxruntime names it <weight>_quantized)."""
+    return dq.input[0].removesuffix("_quantized")
+
+
+def matmul_float_weights(src: Path) -> dict[str, np.ndarray]:
+    """MatMul node name -> its float weight, from the exported graph."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(src))
+    inits = {i.name: i for i in model.graph.initializer}
+    return {
+        n.name: numpy_helper.to_array(inits[n.input[1]]).astype(np.float32)
+        for n in model.graph.node
+        if n.op_type == "MatMul" and n.input[1] in inits
+    }
+
+
 def lut_input_encodings(luts: dict[str, dict[str, Any]], graph_tensors: set[str]) -> dict[str, Encoding]:
     """The encoding each LUT-fed input of a graph must have: its LUT's (export report `luts`)."""
     return {
@@ -339,7 +533,17 @@ def read_lut_inputs_quantized(model, encodings: dict[str, Encoding]) -> list[str
 
 
 # ---- audit ----
-ONNX_TYPE_NAMES = {1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 10: "float16", 7: "int64"}
+ONNX_TYPE_NAMES = {
+    1: "float32",
+    2: "uint8",
+    3: "int8",
+    4: "uint16",
+    5: "int16",
+    10: "float16",
+    7: "int64",
+    21: "uint4",
+    22: "int4",
+}
 
 
 def audit(
@@ -395,6 +599,42 @@ def audit(
         kv_encodings[f"{which}_{layer}"] = sorted(found)
         if len(found) != 1:
             problems.append(f"{which} cache of layer {layer}: {len(found)} encodings {sorted(found)}")
+    # Every MatMul weight with the bits and layout its precision (or the PLE policy) gives it.
+    weights = []
+    for n in graph.node:
+        dq = producer.get(n.input[1]) if n.op_type == "MatMul" else None
+        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
+            continue
+        name = _weight_name(dq)
+        want = expected_scheme(cfg, name)
+        if want is None:
+            continue
+        found = ONNX_TYPE_NAMES.get(inits[dq.input[0]].data_type, "?")
+        block = next((a.i for a in dq.attribute if a.name == "block_size"), 0)
+        scales = producer.get(dq.input[1])
+        uint8_scales = (
+            scales is not None
+            and scales.op_type == "DequantizeLinear"
+            and scales.input[0] in inits
+            and inits[scales.input[0]].data_type == 2
+        )
+        want_block = lpbq_block(want, inits[dq.input[0]].dims[0]) if want.blockwise else 0
+        ok = found == want.onnx_type and block == want_block and uint8_scales == want.blockwise
+        weights.append(
+            {
+                "weight": name,
+                "role": weight_role(name),
+                "scheme": want.name,
+                "type": found,
+                "block_size": block,
+            }
+        )
+        if not ok:
+            problems.append(
+                f"{name}: {found} weights, block size {block}"
+                + (", per-block uint8 scales" if uint8_scales else "")
+                + f"; {cfg.precision} wants {want.name} ({want.onnx_type}, block size {want_block})"
+            )
     ple_names = set(analysis.ple_nodes)
 
     def origin(t: str) -> Any:
@@ -464,6 +704,7 @@ def audit(
             )
     return {
         "activation_matmuls": act,
+        "weights": weights,
         "kv_encodings": kv_encodings,
         "ple_tensors": ple,
         "float_leftovers": leftover,
@@ -477,21 +718,34 @@ def chain_logits(runner, samples: list[list[int]], decode_steps: int) -> list[np
     """Teacher-forced logits for every position but the last of each sample: its beginning through
     the prefill graphs, the rest as decode steps. All prefills run first and their cache states are
     kept, so prefill and decode graphs (each a full copy of the weights) are never loaded together."""
+    from tqdm import tqdm
+
     from stages.calibration import decode_split
 
     use_decode = "decode" in runner.graphs
+    splits = [decode_split(s, decode_steps if use_decode else 0) for s in samples]
+    progress = tqdm(
+        total=len(samples) + sum(max(len(tail) - 1, 0) for _, tail in splits),
+        desc="evaluate",
+        unit="call",
+        leave=False,
+    )
     heads = []
-    for sample in samples:
-        head, tail = decode_split(sample, decode_steps if use_decode else 0)
+    for head, tail in splits:
         runner.reset()
         heads.append((runner.prefill(head), runner.snapshot(), tail))
+        progress.update()
     runner.release("prefill")
     out = []
     for sample, (logits, state, tail) in zip(samples, heads, strict=True):
         runner.restore(state)
-        rows = [logits] + [runner.step([tok]) for tok in tail[:-1]]
+        rows = [logits]
+        for tok in tail[:-1]:
+            rows.append(runner.step([tok]))
+            progress.update()
         out.append(np.concatenate(rows)[: len(sample) - 1])
     runner.release("decode")
+    progress.close()
     return out
 
 
@@ -530,9 +784,13 @@ def output_sqnr(fp_runner, q_paths: dict[str, Path], samples: list[list[int]]) -
     is loaded beside it."""
     import onnxruntime as ort
 
+    from stages.runner import session_options
+
     out: dict[str, dict[str, float]] = {}
     for spec, _ in fp_runner.graphs["prefill"]:
-        session = ort.InferenceSession(str(q_paths[spec.name]), providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(
+            str(q_paths[spec.name]), session_options(fold_weights=True), providers=["CPUExecutionProvider"]
+        )
         signal: dict[str, float] = defaultdict(float)
         noise: dict[str, float] = defaultdict(float)
 
@@ -672,7 +930,9 @@ def graph_quant_config(
     io_names = {t.name for t in (*model.graph.input, *model.graph.output)}
     overrides, excluded = quant_settings(cfg, analysis, ranges, io_names, luts)
     expected = calls(samples, spec.role, runner.prefill_ar, decode_steps)
-    reader = _FeedsReader(graph_feeds(runner, samples, spec.role, spec.part, decode_steps), expected)
+    reader = _FeedsReader(
+        graph_feeds(runner, samples, spec.role, spec.part, decode_steps), expected, f"calibrate {spec.name}"
+    )
     # onnxruntime wants the call count divisible by the stride: the largest divisor up to it.
     graph_stride = max(d for d in range(1, stride + 1) if expected % d == 0) if stride else None
     qcfg = get_qnn_qdq_config(
@@ -742,13 +1002,20 @@ def quantize_graphs(
         qcfg, analysis, reader = setup.qcfg, setup.analysis, setup.reader
         dest = out_dir / qdq_file_name(spec.name)
         t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="g4v69-calibration-") as tmp:
+        # Scratch inside this stage's own folder; onnxruntime writes a shape-inferred copy next to
+        # the graph it reads, so it reads the graph through links there, never in exported/.
+        with tempfile.TemporaryDirectory(prefix=".calibration-", dir=out_dir) as tmp:
             ranges_file = Path(tmp) / "ranges.json"
-            calibrate(src, qcfg, ranges_file, Path(tmp))
+            for f in src.parent.glob(f"{src.name}*"):
+                (Path(tmp) / f.name).symlink_to(f.resolve())
+            linked = Path(tmp) / src.name
+            calibrate(linked, qcfg, ranges_file, Path(tmp))
             # The float chain's sessions fed the calibration; the quantizer needs none of them.
             runner.release("prefill")
             runner.release("decode")
-            quantize_with_ranges(src, dest, qcfg, ranges_file)
+            quantize_with_ranges(linked, dest, qcfg, ranges_file)
+        if cfg.precision_info.decoder_weights != INT8_CHANNEL:
+            rewrite_weights(cfg, src, dest)
         qmodel = onnx.load(str(dest), load_external_data=False)
         lut_inputs = lut_input_encodings(luts, {i.name for i in qmodel.graph.input})
         if read_lut_inputs_quantized(qmodel, lut_inputs):
@@ -775,7 +1042,9 @@ def _quality(cfg, export_dir: Path, q: QuantizedGraphs, eval_samples, decode_ste
     from stages.runner import HostRunner
 
     fp = HostRunner.from_export(export_dir, luts=True)
-    quantized = HostRunner.from_export(export_dir, luts=True, graph_dir=next(iter(q.paths.values())).parent)
+    quantized = HostRunner.from_export(
+        export_dir, luts=True, graph_dir=next(iter(q.paths.values())).parent, fold_weights=True
+    )
     chains = compare_chains(fp, quantized, eval_samples, decode_steps)
     prefill = {name: p for name, p in q.paths.items() if name.startswith("prefill")}
     return {**chains, "sqnr_db": output_sqnr(fp, prefill, eval_samples[:1])}
@@ -825,6 +1094,7 @@ def run_quantize(
     provider: str = "cpu",
     method: str = "minmax",
     stride: int | None = None,
+    compare_precisions: bool = False,
 ) -> dict[str, Any]:
     """The whole stage; returns the report. Bad input raises QuantizeError and leaves nothing."""
     import dataclasses
@@ -847,6 +1117,7 @@ def run_quantize(
         raise QuantizeError(
             f"{export_dir} is incomplete: {', '.join(missing)} missing; run `make export` again"
         )
+    check_inputs(workdir, [export_dir, checkpoint_dir])
     from stages.checkpoint import Checkpoint
 
     tok = ChatTokenizer(checkpoint_dir)
@@ -862,7 +1133,10 @@ def run_quantize(
     out_dir = workdir / "quantized"
     options = {"model": cfg.model, **{k: getattr(cfg, k) for k in stage_fields("quantize")}}
     inputs = [export_dir / REPORT_NAME] + [export_dir / g["onnx"] for g in report["figures"]["graphs"]]
-    with stage_output("quantize", out_dir, inputs, options, root=workdir) as run:
+    # QDQ graphs at the weight bits, plus one float graph's calibration copies at a time.
+    graph_bytes = [g["bytes"] for g in report["figures"]["graphs"]]
+    need = sum(graph_bytes) * cfg.precision_info.weight_bits // 32 + 2 * max(graph_bytes)
+    with stage_output("quantize", out_dir, inputs, options, root=workdir, need_bytes=need) as run:
 
         def quantize_with(policy_cfg: PipelineConfig, out: Path) -> QuantizedGraphs:
             return _guarded(
@@ -890,16 +1164,34 @@ def run_quantize(
         quality = {cfg.ple_policy: _quality(cfg, export_dir, main, eval_samples, decode_steps)}
         if compare_ple_policies:
             for policy in (p for p in ("float16", "int16", "int8") if p != cfg.ple_policy):
-                with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+                with tempfile.TemporaryDirectory(dir=run.dir) as tmp:
                     other = quantize_with(dataclasses.replace(cfg, ple_policy=policy), Path(tmp))
                     quality[policy] = {
                         **_quality(cfg, export_dir, other, eval_samples, decode_steps),
                         "audit_problems": other.problems,
                     }
                     shutil.rmtree(tmp, ignore_errors=True)
+        # The other precisions on the same exported graphs (cut for this precision: the cut points
+        # move nothing but which part a layer sits in), so the report ranks the weight schemes.
+        by_precision = {cfg.precision: quality[cfg.ple_policy]}
+        if compare_precisions:
+            from stages.precision import PRECISIONS
+
+            for name, prec in PRECISIONS.items():
+                if name == cfg.precision or prec.not_built or not prec.runs_on(cfg.soc_info):
+                    continue
+                with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+                    other = quantize_with(dataclasses.replace(cfg, precision=name), Path(tmp))
+                    by_precision[name] = {
+                        **_quality(cfg, export_dir, other, eval_samples, decode_steps),
+                        "audit_problems": other.problems,
+                    }
         run.figures.update(
             {
                 "soc": cfg.soc,
+                "precision": cfg.precision,
+                "weight_scheme": cfg.precision_info.decoder_weights.name,
+                "quality_by_precision": by_precision,
                 "kv_cache_bits": cfg.kv_cache_bits,
                 "ple_policy": cfg.ple_policy,
                 "ple_lut_bits": report["figures"]["luts"].get("per_layer_embedding", {}).get("bits"),

@@ -7,6 +7,7 @@ so a later run cannot mistake a crashed run's leftovers for a result.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -14,6 +15,7 @@ import platform
 import resource
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,14 +47,137 @@ TOOL_DISTRIBUTIONS = (
 )
 # Names of environment variables whose values must never reach a report.
 SECRET_ENV = ("HF_TOKEN", "QAI_HUB_API_TOKEN")
+# Each stage's output folder under WORKDIR (download: checkpoints/<name>/), and the Make target that
+# redoes it: the one source for messages that say which stage to run again.
+STAGE_DIRS = {
+    "download": "checkpoints",
+    "export": "exported",
+    "quantize": "quantized",
+    "compile": "compiled",
+    "bundle": "genie_bundle",
+    "verify": "verify",
+}
+# Where the per-stage stamps live (the Makefile's STAMP_DIR), relative to WORKDIR.
+STAMP_DIR = ".g4v69"
+
+# sha256 of files already hashed by this process, keyed by what changes when a file is rewritten:
+# a stage checks its inputs against the upstream report and then records them in its own report,
+# and reading a 10 GB checkpoint twice would double the cost of the check.
+_hashed: dict[tuple[str, int, int, int], str] = {}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    st = os.stat(path)
+    key = (str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key in _hashed:
+        return _hashed[key]
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
-    return h.hexdigest()
+    _hashed[key] = h.hexdigest()
+    return _hashed[key]
+
+
+class IntegrityError(RuntimeError):
+    """A stage's input differs from what the stage that made it recorded; the message names the file
+    and the Make target that makes it again."""
+
+
+class DiskSpaceError(RuntimeError):
+    """Not enough free disk for a write the stage is about to make."""
+
+
+def _stage_folder(path: Path) -> tuple[Path, str]:
+    """The finished stage folder holding `path` and that stage's name (from its folder name)."""
+    path = Path(path)
+    for folder in [path, *path.parents]:
+        if folder.parent.name == STAGE_DIRS["download"]:
+            return folder, "download"
+        for stage, name in STAGE_DIRS.items():
+            if stage != "download" and folder.name == name:
+                return folder, stage
+    raise ValueError(f"{path} is in no stage's output folder")
+
+
+def _stamps(workdir: Path, prefix: str) -> list[Path]:
+    """The stamps `<prefix>-<config key>.json` (prefix: a stage, or download-<checkpoint>)."""
+    found = (Path(workdir) / STAMP_DIR).glob(f"{prefix}-*.json")
+    return [p for p in found if p.name.rsplit("-", 1)[0] == prefix]
+
+
+def _invalidate(workdir: Path, stage: str, folder: Path) -> None:
+    """Remove the stage's stamps, so that Make redoes that stage (and what follows) on the next run."""
+    for stamp in _stamps(workdir, f"download-{folder.name}" if stage == "download" else stage):
+        stamp.unlink(missing_ok=True)
+
+
+def check_inputs(workdir: Path, paths: list[Path]) -> None:
+    """Check the files a stage is about to read against the sha256 values the stages that made them
+    recorded in their report.json (a folder: every file its report lists; a file: that one).
+
+    A file that differs stops the stage with one line naming it and the stage to run again; that
+    stage's stamps are removed so that `make <stage>` really redoes it.
+    """
+    for path in paths:
+        path = Path(path)
+        folder, stage = _stage_folder(path)
+        report = read_report(folder)
+        if report is None:
+            raise IntegrityError(
+                f"{folder} holds no finished {stage} stage (no {REPORT_NAME}); run `make {stage}` first"
+            )
+        recorded = {f["path"]: f for f in report.get("outputs", [])}
+        wanted = sorted(recorded) if path == folder else [str(path.relative_to(folder))]
+        for rel in wanted:
+            file = folder / rel
+            entry = recorded.get(rel)
+            problem = None
+            if entry is None:
+                problem = f"is not among the outputs {stage} recorded"
+            elif not file.is_file():
+                problem = "is missing"
+            elif file.stat().st_size != entry["bytes"]:
+                problem = f"has {file.stat().st_size} bytes, {stage} wrote {entry['bytes']}"
+            elif sha256_file(file) != entry["sha256"]:
+                problem = f"changed after {stage} wrote it (its sha256 differs from {REPORT_NAME})"
+            if problem:
+                _invalidate(workdir, stage, folder)
+                raise IntegrityError(f"{file} {problem}; run `make {stage}` again")
+
+
+def free_bytes(folder: Path) -> int:
+    """Free disk space for unprivileged writes under folder (its nearest existing ancestor)."""
+    folder = Path(folder)
+    while not folder.exists():
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def require_free(folder: Path, need: int, what: str) -> None:
+    """DiskSpaceError unless `folder`'s disk has `need` bytes free (plus 5% and 64 MiB of slack)."""
+    if need <= 0:
+        return
+    free = free_bytes(folder)
+    want = int(need * 1.05) + (64 << 20)
+    if free < want:
+        raise DiskSpaceError(
+            f"not enough disk space in {folder}: {what} needs about {want / 1e9:.2f} GB, "
+            f"{free / 1e9:.2f} GB free; free space or set WORKDIR to a bigger disk"
+        )
+
+
+def copy_file(src: Path, dest: Path) -> None:
+    """Copy src to dest as a reflink where the file system shares blocks copy-on-write (btrfs, XFS),
+    else byte by byte: never a hard link, so editing one cannot change the other."""
+    ficlone = 0x40049409  # linux/fs.h FICLONE
+    with open(src, "rb") as s, open(dest, "wb") as d:
+        try:
+            fcntl.ioctl(d.fileno(), ficlone, s.fileno())
+            return
+        except OSError:
+            pass
+    shutil.copyfile(src, dest)
 
 
 def describe_inputs(paths: list[Path], root: Path) -> list[dict[str, Any]]:
@@ -141,6 +266,45 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def _lock(folder: Path) -> int:
+    """An exclusive flock on the folder, held by this process until it closes the fd (or dies).
+
+    A lock, not the pid in the name, tells a live run's folder from a dead one's: stages in
+    containers all see small pids (often 1) from their own pid namespace.
+    """
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def remove_stale_partials(parent: Path, name: str = "*") -> list[Path]:
+    """Remove `.<name>.partial-<pid>` folders no live process holds (killed runs) and `.<name>.old-<pid>`
+    ones (a run killed while swapping its output in); return what was removed."""
+    removed = []
+    for folder in sorted(Path(parent).glob(f".{name}.partial-*")):
+        try:
+            fd = _lock(folder)
+        except BlockingIOError:
+            continue  # a live run is writing it
+        except OSError:
+            if folder.is_dir():
+                raise
+            continue
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(fd)
+        removed.append(folder)
+    for folder in sorted(Path(parent).glob(f".{name}.old-*")):
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
 @contextmanager
 def stage_output(
     stage: str,
@@ -148,43 +312,83 @@ def stage_output(
     inputs: list[Path],
     options: dict[str, Any],
     root: Path,
+    need_bytes: int = 0,
 ) -> Iterator[StageRun]:
     """Run a stage into a temporary sibling of out_dir; on success write report.json and swap it in.
 
-    On any exception the temporary folder is removed and an existing out_dir is left untouched.
+    Leftovers of killed runs of this stage are removed first; `need_bytes` (the output's expected
+    size) must be free on the disk. On any exception the temporary folder is removed and an
+    existing out_dir is left untouched.
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    remove_stale_partials(out_dir.parent, out_dir.name)
+    require_free(out_dir.parent, need_bytes, f"the {stage} stage's output")
+    # The partial folder holds the output being written and a scratch folder beside it; its lock
+    # tells a live run's partial folder from a killed one's.
+    partial = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir()
+    lock = _lock(partial)
+    tmp, scratch = partial / out_dir.name, partial / "scratch"
     tmp.mkdir()
+    scratch.mkdir()
     started = time.time()
     cpu0 = time.process_time()
     run = StageRun(stage=stage, dir=tmp)
+    # Libraries' own temporary files (onnxruntime's quantizer keeps whole model copies there) go to
+    # the scratch folder, so that a killed run leaves nothing elsewhere.
+    saved_tmp = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = str(scratch)
     try:
-        described = describe_inputs(inputs, root)
-        yield run
-        report = {
-            "stage": stage,
-            "inputs": described,
-            "options": options,
-            "outputs": describe_inputs([tmp], tmp),
-            "tool_versions": tool_versions(),
-            "wall_s": round(time.time() - started, 3),
-            "cpu_s": round(time.process_time() - cpu0, 3),
-            "peak_rss_bytes": peak_rss_bytes(),
-            "figures": run.figures,
-        }
-        write_json_atomic(tmp / REPORT_NAME, redact(report))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+        try:
+            described = describe_inputs(inputs, root)
+            try:
+                yield run
+            finally:
+                tempfile.tempdir = saved_tmp[0]
+                if saved_tmp[1] is None:
+                    os.environ.pop("TMPDIR", None)
+                else:
+                    os.environ["TMPDIR"] = saved_tmp[1]
+            report = {
+                "stage": stage,
+                "inputs": described,
+                "options": options,
+                "outputs": describe_inputs([tmp], tmp),
+                "tool_versions": tool_versions(),
+                "wall_s": round(time.time() - started, 3),
+                "cpu_s": round(time.process_time() - cpu0, 3),
+                "peak_rss_bytes": peak_rss_bytes(),
+                "figures": run.figures,
+            }
+            write_json_atomic(tmp / REPORT_NAME, redact(report))
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            if out_dir.exists():
+                os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    finally:
+        os.close(lock)
+
+
+def write_stamp(workdir: Path, name: str, content: dict[str, Any], report: Path) -> None:
+    """Record that a stage finished for one config: WORKDIR/.g4v69/<name>, dated like the stage's
+    report (so Make sees the report as up to date), replacing the stage's stamps of other configs
+    (whose output this run has just replaced). `name` is `<stage>-<config key>.json`, or for
+    download `download-<checkpoint>-<config key>.json` (checkpoints of other models stay)."""
+    stamps = Path(workdir) / STAMP_DIR
+    stamps.mkdir(parents=True, exist_ok=True)
+    for other in _stamps(workdir, name.rsplit("-", 1)[0]):
+        if other.name != name:
+            other.unlink(missing_ok=True)
+    path = stamps / name
+    write_json_atomic(path, content)
+    mtime = Path(report).stat().st_mtime_ns
+    os.utime(path, ns=(mtime, mtime))
 
 
 def read_report(out_dir: Path) -> dict[str, Any] | None:
@@ -196,3 +400,14 @@ def read_report(out_dir: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
+
+
+if __name__ == "__main__":
+    # `python3 -m stages.report clean DIR...` removes stale partial folders under each DIR: `make clean`
+    # runs it on the host (this module is stdlib-only), where no stage image may exist.
+    if sys.argv[1:2] != ["clean"]:
+        sys.exit("usage: python3 -m stages.report clean DIR...")
+    for parent in sys.argv[2:]:
+        if Path(parent).is_dir():
+            for gone in remove_stale_partials(Path(parent)):
+                print(f"removed {gone}")

@@ -218,6 +218,33 @@ class _Caches:
                 self.values[layer][:, slot] = values[:, j]
 
 
+def session_options(threads: int = 0, fold_weights: bool = False) -> Any:
+    """onnxruntime session options for the host chains.
+
+    `fold_weights` (for QDQ graphs): onnxruntime leaves a weight's DequantizeLinear in the graph while
+    its QDQ transformers are on, so every call dequantizes every int8/int4 weight again (at E2B width a
+    decode step is about 10x slower than the MatMuls themselves). With them off, constant folding runs
+    each weight's DequantizeLinear once at load, through the same kernel, so the weights are the same
+    floats bit for bit, and prepacking stays off so MatMul sums in the same order. The one other change:
+    the default path fuses 8-bit Concats (the KV caches) into QLinearConcat, which the folded session
+    runs as plain Q/DQ; on the tiny model that moves logits by 3e-5 of their range and no greedy choice
+    (tests/integration/test_quantize.py).
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    # Where QDQ transformers run, onnxruntime fuses a 4-bit per-channel weight DequantizeLinear +
+    # MatMul into MatMulNBits and by default (accuracy level 4) quantizes its activations to int8: an
+    # error the HTP does not make. Level 1 computes in float32.
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+    if threads:
+        options.intra_op_num_threads = threads
+    if fold_weights:
+        options.add_session_config_entry("session.disable_quant_qdq", "1")
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    return options
+
+
 class HostRunner:
     """Runs prompts through the graphs of one export: `graphs` maps role -> the part specs and
     their ONNX files, in part order."""
@@ -229,17 +256,14 @@ class HostRunner:
         embedder: Embedder,
         pad_token_id: int = 0,
         threads: int = 0,
+        fold_weights: bool = False,
     ):
-        import onnxruntime as ort
-
         self.geo = geo
         self.graphs = graphs
         self.embed = embedder
         self.pad = pad_token_id
         self.context = next(iter(graphs.values()))[0][0].context
-        self._options = ort.SessionOptions()
-        if threads:
-            self._options.intra_op_num_threads = threads
+        self._options = session_options(threads, fold_weights)
         # Created on first use and released per role: a session holds its graph's weights, and
         # E2B's prefill and decode graphs together (17 GB in float32) do not fit 24 GB with the rest.
         self._sessions: dict[Path, Any] = {}

@@ -5,8 +5,12 @@ device names and chipset attributes as in qai-hub-models' device registry; weigh
 v73 (qai-hub-models refuses it below hexagon 73). 16x16 activation matmul on v69 is documented as
 unsupported in FACTS.md but not confirmed by a Qualcomm document.
 
+Memory limits (FACTS.md s.2; every figure carries its source in the row): the context-binary generator's
+per-context estimated-allocation limit, the address space of one DSP process domain, and for each phone
+class a SoC ships in, the RAM a bundle may pin.
+
 Templates, the config validator, the planner and the compile rules check read these rows; nothing
-else may hard-code a soc_model, an HTP architecture or a capability.
+else may hard-code a soc_model, an HTP architecture, a capability or a memory limit.
 """
 
 from __future__ import annotations
@@ -19,6 +23,78 @@ class MemoryBandwidth:
     gb_per_s: float
     dram: str
     source: str
+
+
+KIB = 1 << 10
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Limit:
+    bytes: int
+    source: str
+
+
+# The context-binary generator refuses a graph whose ESTIMATED allocation (weights + activations +
+# spill-fill, not the file size) is over this; its message counts in KB of 1024 bytes.
+_ALLOC_V69 = Limit(
+    2_097_152 * KIB,
+    "v68/v69 context-binary generator: 'graph requires estimated allocation of 5404364 KB, limit is "
+    "2097152 KB' (avisre/gemma4-snapdragon-npu docs/CHALLENGES.md, Galaxy S22 target; "
+    "pytorch/executorch#17782 on v68)",
+)
+_ALLOC_V73 = Limit(3_670_016 * KIB, "v73+ context-binary generator logs: limit 3670016 KB (FACTS.md s.2)")
+# Each cDSP process domain is a 32-bit virtual address space until v81 (which maps above 4 GB).
+_PD_32BIT = Limit(
+    4 * GIB, "Hexagon OS: a cDSP process domain is a 32-bit address space up to v79 (FACTS.md s.2)"
+)
+
+
+@dataclass(frozen=True)
+class PhoneClass:
+    """Phones of one RAM size, and how much of it a bundle may keep pinned (DMA-mapped binaries, the
+    LUTs and the KV cache) while Android, its services and the app keep running."""
+
+    ram_gib: int
+    reserve_gib: int  # what the rest of the phone needs; the bundle may pin ram - reserve
+    derivation: str
+
+    @property
+    def ram_bytes(self) -> int:
+        return self.ram_gib * GIB
+
+    @property
+    def pinnable_bytes(self) -> int:
+        return (self.ram_gib - self.reserve_gib) * GIB
+
+    @property
+    def name(self) -> str:
+        return f"{self.ram_gib} GB phone"
+
+
+# An estimate, not a measurement: FACTS.md s.2 puts a bundle's share of an 8 GB phone at roughly 5 GB.
+# That is an Android reserve of about 3 GiB (kernel, zram, system services, launcher and the app
+# itself), which the same reserve carries to the larger phones. Only a phone can settle the real figure.
+_RESERVE = (
+    "RAM minus a 3 GiB Android reserve (kernel, zram, system services, the app); "
+    "FACTS.md s.2 estimate ~5 GB on 8 GB"
+)
+PHONE_8GB = PhoneClass(8, 3, _RESERVE)
+PHONE_12GB = PhoneClass(12, 3, _RESERVE)
+PHONE_16GB = PhoneClass(16, 3, _RESERVE)
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    context_allocation: Limit  # per context binary, estimated allocation
+    process_domain: Limit  # address space one DSP process domain can map
+    phones: tuple[PhoneClass, ...]  # the phone classes this SoC ships in, smallest first
+
+    def phone(self, ram_gib: int) -> PhoneClass:
+        for p in self.phones:
+            if p.ram_gib == ram_gib:
+                return p
+        raise KeyError(ram_gib)
 
 
 @dataclass(frozen=True)
@@ -35,6 +111,7 @@ class Soc:
     aihub_chipset: str
     memory: MemoryBandwidth
     example_devices: tuple[str, ...]
+    limits: MemoryLimits
     notes: str = ""
 
     @property
@@ -56,6 +133,11 @@ def _lpddr(kind: str, mtps: int, bus_bits: int, source: str) -> MemoryBandwidth:
     )
 
 
+_V69_LIMITS = MemoryLimits(_ALLOC_V69, _PD_32BIT, (PHONE_8GB, PHONE_12GB))
+_V73_LIMITS = MemoryLimits(_ALLOC_V73, _PD_32BIT, (PHONE_8GB, PHONE_12GB))
+# 8 Elite phones start at 12 GB (Galaxy S25, Xiaomi 15, OnePlus 13).
+_V79_LIMITS = MemoryLimits(_ALLOC_V73, _PD_32BIT, (PHONE_12GB, PHONE_16GB))
+
 # Bandwidth is transfer rate x bus width (theoretical peak); the sources name the DRAM type and speed.
 _SRC_8G1 = "LPDDR5-6400 per launch coverage of 8 Gen 1 / 8+ Gen 1 (xda-developers; nanoreview 51.2 GB/s)"
 
@@ -75,6 +157,7 @@ SOCS: dict[str, Soc] = {
             aihub_chipset="chipset:qualcomm-snapdragon-888",
             memory=_lpddr("LPDDR5", 6400, 64, "LPDDR5 per Qualcomm; 6400 MT/s unconfirmed"),
             example_devices=("Galaxy S21", "Xiaomi Mi 11", "OnePlus 9 Pro"),
+            limits=_V69_LIMITS,
         ),
         Soc(
             name="SM8450",
@@ -89,6 +172,7 @@ SOCS: dict[str, Soc] = {
             aihub_chipset="chipset:qualcomm-snapdragon-8gen1",
             memory=_lpddr("LPDDR5", 6400, 64, _SRC_8G1),
             example_devices=("Galaxy S22", "Xiaomi 12", "OnePlus 10 Pro"),
+            limits=_V69_LIMITS,
         ),
         Soc(
             name="SM8475",
@@ -103,6 +187,7 @@ SOCS: dict[str, Soc] = {
             aihub_chipset="chipset:qualcomm-snapdragon-8plus-gen1",
             memory=_lpddr("LPDDR5", 6400, 64, _SRC_8G1),
             example_devices=("Galaxy Z Fold4", "Xiaomi 12T Pro", "OnePlus 10T"),
+            limits=_V69_LIMITS,
             notes="no AI Hub device known for this chipset; the aihub compiler needs another SoC",
         ),
         Soc(
@@ -118,6 +203,7 @@ SOCS: dict[str, Soc] = {
             aihub_chipset="chipset:qualcomm-snapdragon-8gen2",
             memory=_lpddr("LPDDR5X", 8400, 64, "LPDDR5X-8400 per 8 Gen 2 launch coverage (wccftech)"),
             example_devices=("Galaxy S23", "Xiaomi 13", "OnePlus 11"),
+            limits=_V73_LIMITS,
         ),
         Soc(
             name="SM8650",
@@ -132,6 +218,7 @@ SOCS: dict[str, Soc] = {
             aihub_chipset="chipset:qualcomm-snapdragon-8gen3",
             memory=_lpddr("LPDDR5X", 9600, 64, "LPDDR5X-9600 per 8 Gen 3 launch coverage"),
             example_devices=("Galaxy S24", "Xiaomi 14", "OnePlus 12"),
+            limits=_V73_LIMITS,
         ),
         Soc(
             name="SM8750",
@@ -146,6 +233,7 @@ SOCS: dict[str, Soc] = {
             aihub_chipset="chipset:qualcomm-snapdragon-8-elite",
             memory=_lpddr("LPDDR5X", 10667, 64, "LPDDR5X-10667 per 8 Elite launch coverage"),
             example_devices=("Galaxy S25", "Xiaomi 15", "OnePlus 13"),
+            limits=_V79_LIMITS,
         ),
     )
 }

@@ -27,7 +27,7 @@ from stages.config import PipelineConfig, stage_fields
 from stages.contract import CACHE_PREFIX, INPUTS_EMBEDS, MASK_NAME, PER_LAYER_INPUTS, ROPE_PREFIX
 from stages.geometry import FULL, SLIDING
 from stages.graphs import qdq_file_name
-from stages.report import REPORT_NAME, read_report, stage_output
+from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
 
 LUT_BYTES = {"ufixed8": 1, "ufixed16": 2}
 
@@ -217,7 +217,7 @@ def run_verify(
     """The whole stage; returns its report. A broken bundle, or one below the thresholds, raises
     VerifyError."""
     from stages.chat import ChatTokenizer
-    from stages.checkpoint import Checkpoint
+    from stages.checkpoint import Checkpoint, stop_token_ids
     from stages.genie_emulator import GENIE_BEHAVIOURS, EmulatorError, GenieEmulator
     from stages.reference import greedy_tokens, logits_of, transformers_model
 
@@ -226,6 +226,7 @@ def run_verify(
     compiled = read_report(compiled_dir)
     if read_report(bundle_dir) is None or compiled is None:
         raise VerifyError(f"{bundle_dir} holds no finished bundle; run `make bundle` first")
+    check_inputs(workdir, [bundle_dir, quantized_dir, checkpoint_dir])
     geo = Checkpoint(checkpoint_dir).geometry
     # A failed verify must not leave an earlier run's passing report behind.
     (workdir / "verify" / REPORT_NAME).unlink(missing_ok=True)
@@ -241,7 +242,13 @@ def run_verify(
             f"{bundle_dir}: its tokenizer or chat template tokenizes the prompt unlike the checkpoint"
         )
     genie = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-    stop_ids = set(genie["context"]["eos-token"])
+    # The emulator stops on the config's eos list, as Genie does; it must be the checkpoint's.
+    stop_ids = set(stop_token_ids(checkpoint_dir))
+    if set(genie["context"]["eos-token"]) != stop_ids:
+        raise VerifyError(
+            f"{bundle_dir / GENIE_CONFIG} stops at tokens {genie['context']['eos-token']}, the checkpoint at "
+            f"{sorted(stop_ids)}; run `make bundle` again"
+        )
     room = genie["context"]["size"] - len(prompt_ids) - (-len(prompt_ids)) % cfg.prefill_ar
     max_new_tokens = max(1, min(max_new_tokens, room))
     try:

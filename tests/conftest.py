@@ -147,8 +147,14 @@ def fake_hub(tmp_path, monkeypatch):
     monkeypatch.setenv("G4V69_AIHUB_POLL_S", "0")
     monkeypatch.setenv("G4V69_AIHUB_BACKOFF_S", "0")
     monkeypatch.setenv("QAIHUB_CLIENT_INI", str(tmp_path / "no-client.ini"))
-    spec = importlib.util.spec_from_file_location("fake_qai_hub", DOUBLES / "qai_hub" / "__init__.py")
+    spec = importlib.util.spec_from_file_location(
+        "fake_qai_hub",
+        DOUBLES / "qai_hub" / "__init__.py",
+        submodule_search_locations=[str(DOUBLES / "qai_hub")],
+    )
     module = importlib.util.module_from_spec(spec)
+    for name in [n for n in sys.modules if n == "fake_qai_hub" or n.startswith("fake_qai_hub.")]:
+        del sys.modules[name]  # a fresh package each test, its submodules bound as attributes again
     sys.modules["fake_qai_hub"] = module
     spec.loader.exec_module(module)
 

@@ -18,7 +18,8 @@ from stages.cli import main
 from stages.compile import run_compile
 from stages.config import load_config
 from stages.quantize import run_quantize
-from stages.verify import VerifyError, run_verify
+from stages.report import IntegrityError
+from stages.verify import run_verify
 from tests.conftest import REPO, copy_workdir
 
 pytestmark = pytest.mark.slow
@@ -254,9 +255,9 @@ def test_verify_catches_a_tampered_bundle(sm8450, tmp_path):
     lut = work / "genie_bundle" / "embedding_ufixed16.bin"
     data = bytearray(lut.read_bytes())
     data[100] ^= 0xFF
-    lut.unlink()  # it is a hard link into exported/
-    lut.write_bytes(bytes(data))
-    with pytest.raises(VerifyError, match="embedding_ufixed16.bin: sha256 differs from the manifest"):
+    lut.write_bytes(bytes(data))  # a copy, not a link: exported/ keeps its bytes
+    with pytest.raises(IntegrityError, match="embedding_ufixed16.bin changed after bundle wrote it"):
         run_verify(load_config("tiny"), work, work / "checkpoints" / "tiny", "Hi")
+    assert (work / "exported" / "luts" / "embedding_ufixed16.bin").read_bytes() != bytes(data)
     r = CliRunner().invoke(main, ["bundle", "--check", str(work / "genie_bundle" / "manifest.json")])
     assert r.exit_code == 2 and "sha256 differs" in r.output

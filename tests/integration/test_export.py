@@ -203,6 +203,7 @@ def test_missing_tensor_and_foreign_config_fail_cleanly(tiny_checkpoint, tmp_pat
     from safetensors.torch import load_file, save_file
 
     from stages.checkpoint import CheckpointError
+    from stages.report import IntegrityError, describe_inputs
 
     work = tmp_path
     ckpt = work / "checkpoints" / "tiny"
@@ -210,9 +211,24 @@ def test_missing_tensor_and_foreign_config_fail_cleanly(tiny_checkpoint, tmp_pat
     weights = load_file(ckpt / "model.safetensors")
     del weights["model.language_model.layers.3.mlp.up_proj.weight"]
     save_file(weights, ckpt / "model.safetensors")
+    # Edited after download: the hash check names the file before anything reads it.
+    with pytest.raises(IntegrityError, match=r"model\.safetensors has \d+ bytes, download wrote"):
+        run_export(load_config("tiny"), work, ckpt)
+
+    def rerecord() -> None:
+        """Record the edited files as the download's own (a report that agrees with bad files)."""
+        report = json.loads((ckpt / "report.json").read_text())
+        files = [p for p in ckpt.iterdir() if p.name != "report.json"]
+        report["outputs"] = describe_inputs(files, ckpt)
+        (ckpt / "report.json").write_text(json.dumps(report))
+
+    rerecord()
     _failing_export(work, {}, "layers.3.mlp.up_proj.weight")
 
     (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(IntegrityError, match="config.json has"):
+        run_export(load_config("tiny"), work, ckpt)
+    rerecord()
     with pytest.raises(CheckpointError, match="config.json.*Gemma 4"):
         run_export(load_config("tiny"), work, ckpt)
     assert not (work / "exported").exists()

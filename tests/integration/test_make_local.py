@@ -67,9 +67,15 @@ def test_make_compile_with_aihub_against_the_double(tmp_path):
     assert "t0k" not in (tmp_path / "compiled" / "report.json").read_text()
 
 
+# Lines libraries printed in every demo before stages/quiet.py (torchao via transformers in verify,
+# onnxruntime's quantizer, libQnnHtp in the compile workers).
+LIBRARY_NOISE = ("Failed to load", "register_constant()", "LIBNATIVE", "pre-processing before quantization")
+
+
 def test_make_demo_with_the_local_runner(tmp_path):
     r = make("demo", "RUNNER=local", f"WORKDIR={tmp_path}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [n for n in LIBRARY_NOISE if n in r.stdout + r.stderr] == [], r.stdout + r.stderr[-3000:]
     fig = json.loads((tmp_path / "verify" / "report.json").read_text())["figures"]
     assert fig["matching_prefix_tokens"] >= 16 and fig["bundle"] == "tiny-sm8450-w8a16-ctx128"
     assert (tmp_path / "genie_bundle" / "genie_config.json").is_file()

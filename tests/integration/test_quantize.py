@@ -15,7 +15,7 @@ from stages.download import run_download
 from stages.encoding import Encoding
 from stages.export import run_export
 from stages.quantize import QuantizeError, analyse, audit, lut_input_encodings, run_quantize
-from stages.report import read_report
+from stages.report import IntegrityError, read_report
 from stages.runner import HostRunner
 
 pytestmark = pytest.mark.slow
@@ -148,8 +148,9 @@ def test_a_corrupt_or_incomplete_export_fails_cleanly(exported, tmp_path):
     work = tmp_path / "work"
     shutil.copytree(exported, work, symlinks=True)
     graph = next((work / "exported").glob("decode_*part2*.onnx"))
+    size = graph.stat().st_size
     graph.write_bytes(graph.read_bytes()[:1000])
-    with pytest.raises(QuantizeError, match="run `make export` again"):
+    with pytest.raises(IntegrityError, match=f"has 1000 bytes, export wrote {size}; run `make export` again"):
         run_quantize(load_config("tiny"), work, work / "checkpoints" / "tiny")
     graph.unlink()
     with pytest.raises(QuantizeError, match="missing; run `make export` again"):
@@ -234,3 +235,31 @@ def test_two_step_quantize_equals_onnxruntimes_one_call(exported, tmp_path, meth
         assert setup.reader.count == 2 * 16
         results.append(sorted((p.name, p.read_bytes()) for p in dest.parent.iterdir()))
     assert results[0] == results[1]
+
+
+def test_folded_weights_keep_the_evaluation_figures(sm8450):
+    """The quality evaluation folds every weight's DequantizeLinear once at load (issue 15: an hour
+    of E2B evaluation was onnxruntime dequantizing int8 weights on every decode call). The folded
+    weights are the DQ's own floats; what differs is that onnxruntime's default path also fuses the
+    8-bit KV concatenations into QLinearConcat (a requantizing concat), which the folded session runs
+    as plain Q/DQ semantics. The greedy choices must not move and the logits only in the last bits."""
+    import numpy as np
+
+    from stages.calibration import load_texts
+    from stages.chat import ChatTokenizer
+    from stages.quantize import chain_logits
+
+    work, _ = sm8450
+    cfg = load_config("tiny")
+    tok = ChatTokenizer(work / "checkpoints" / "tiny")
+    samples = [tok.encode(t)[:40] for t in load_texts(cfg, "heldout", None)[:2]]
+    got = {}
+    for fold in (False, True):
+        runner = HostRunner.from_export(
+            work / "exported", luts=True, graph_dir=work / "quantized", fold_weights=fold
+        )
+        got[fold] = chain_logits(runner, samples, decode_steps=16)
+    for plain, folded in zip(got[False], got[True], strict=True):
+        assert plain.shape == folded.shape
+        assert (plain.argmax(-1) == folded.argmax(-1)).all()
+        assert np.abs(plain - folded).max() <= 2e-4 * (plain.max() - plain.min())

@@ -12,6 +12,7 @@ from stages.bench import collect, to_markdown
 from stages.compile import run_compile
 from stages.config import load_config
 from stages.quantize import run_quantize
+from stages.report import read_report
 from tests.conftest import copy_workdir
 
 pytestmark = pytest.mark.slow
@@ -54,5 +55,18 @@ def test_bench_report_reads_every_stage_and_graph(quantized_tiny, tmp_path):
         "decode_ar1_part2_of_2",
     }
     assert all(g["compile_s"] is not None and g["binary_bytes"] > 0 for g in result["graphs"].values())
+    # The config is what the stages recorded, not what the reporting command was given (issue 15: a
+    # bench that calibrated on 1 x 256 tokens was reported with the preset's calibration).
+    other = load_config("tiny", {"calibration_samples": 20, "calibration_tokens": 4096})
+    told = collect(other, work, plan=None)["config"]
+    ran = read_report(work / "quantized")["options"]
+    assert (
+        (told["calibration_samples"], told["calibration_tokens"])
+        == (
+            ran["calibration_samples"],
+            ran["calibration_tokens"],
+        )
+        != (20, 4096)
+    )
     md = to_markdown(result, "make bench")
     assert "| compile |" in md and "| prefill_ar8_part1_of_2 |" in md and "`make bench`" in md

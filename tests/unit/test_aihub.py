@@ -98,7 +98,7 @@ def test_a_job_that_keeps_failing_stops_with_its_message_and_url(fake_hub, tmp_p
     with pytest.raises(
         CompileError,
         match=rf"failed {MAX_ATTEMPTS} times; last message: out of memory; "
-        r"see https://app.aihub.qualcomm.com/jobs/j\d+/",
+        r"see https://workbench.aihub.qualcomm.com/jobs/j\d+/",
     ):
         _run(fake_hub, tmp_path)
 
@@ -114,8 +114,18 @@ def test_internal_errors_retry_a_few_times_then_stop_clearly(fake_hub, tmp_path,
     fake_hub.scenario(devices=fake_hub_devices(), internal_error={"get_devices": 2})
     _run(fake_hub, tmp_path)  # two failures are retried
     fake_hub.scenario(devices=fake_hub_devices(), internal_error={"upload_model": 99})
-    with pytest.raises(CompileError, match="internal error 4 times.*rerun later"):
+    with pytest.raises(CompileError, match="failed uploading .* 4 times: Internal API failure.*rerun later"):
         _run(fake_hub, tmp_path / "again")
+
+
+def test_no_network_is_one_clear_line(fake_hub, tmp_path, token):
+    """With no connection the real client raises InternalError with a boxed, multi-line message."""
+    fake_hub.scenario(devices=fake_hub_devices(), no_network=True)
+    with pytest.raises(CompileError) as e:
+        _run(fake_hub, tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "\u2500" not in msg
+    assert "Could not connect to Qualcomm AI Hub" in msg and "check the connection" in msg
 
 
 def test_no_token_bad_token_quota_and_unknown_device_are_clear(fake_hub, tmp_path, monkeypatch):
@@ -191,3 +201,73 @@ def fake_hub_devices() -> list[dict]:
     from tests.conftest import SOC_DEVICES
 
     return SOC_DEVICES
+
+
+# ---- the double against the real package ----
+_DESCRIBE = r"""
+import importlib, inspect, json, sys
+out = {}
+for mod in ("qai_hub", "qai_hub.client", "qai_hub.hub", "qai_hub.public_rest_api"):
+    m = importlib.import_module(mod)
+    names = {}
+    for n in sorted(n for n in dir(m) if not n.startswith("_")):
+        v = getattr(m, n)
+        d = {"module": getattr(v, "__module__", None), "kind": type(v).__name__}
+        if inspect.isclass(v) and issubclass(v, BaseException):
+            d["bases"] = [b.__name__ for b in v.__mro__[1:-2]]
+        names[n] = d
+    rate_limited = hasattr(m, "RateLimitedError")
+    out[mod] = {"names": names, "all": getattr(m, "__all__", None), "RateLimitedError": rate_limited}
+m = importlib.import_module("qai_hub.client")
+sigs = {}
+for cls in ("Client", "Job", "CompileJob", "LinkJob"):
+    for n, f in inspect.getmembers(getattr(m, cls), inspect.isfunction):
+        if not n.startswith("_"):
+            sigs[f"{cls}.{n}"] = list(inspect.signature(f).parameters)
+out["signatures"] = sigs
+out["file"] = importlib.import_module("qai_hub").__file__
+out["version"] = str(importlib.import_module("qai_hub").__version__)
+print(json.dumps(out))
+"""
+
+
+def _describe(pythonpath: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    env["FAKE_QAI_HUB_STATE"] = env.get("TMPDIR", "/tmp") + "/g4v69-describe-hub"
+    r = subprocess.run([sys.executable, "-c", _DESCRIBE], env=env, capture_output=True, text=True, check=True)
+    return json.loads(r.stdout)
+
+
+def test_the_double_has_the_real_packages_layout_and_names():
+    """Every public name of the double exists in the installed qai-hub 0.56.0, in the same module,
+    with the same exception hierarchy and method parameters; RateLimitedError lives in qai_hub.client
+    only, in both. Catches a double that drifts from the package the compile image really has."""
+    pytest.importorskip("qai_hub")
+    real = _describe(None)
+    fake = _describe(str(DOUBLES))
+    assert "tests/doubles" in fake["file"] and "site-packages" in real["file"]
+    assert fake["version"] == real["version"]
+    for mod in ("qai_hub", "qai_hub.client", "qai_hub.hub", "qai_hub.public_rest_api"):
+        for name, d in fake[mod]["names"].items():
+            if d["kind"] == "module" or (d["module"] or "qai_hub").split(".")[0] != "qai_hub":
+                continue  # the double's own imports (json, dataclass, ...)
+            assert name in real[mod]["names"], f"{mod}.{name} is not in the real package"
+            want = real[mod]["names"][name]
+            assert d["module"] == want["module"], f"{mod}.{name}: defined in {d['module']}, really {want}"
+            assert d.get("bases") == want.get("bases"), f"{mod}.{name}: exception bases differ"
+        assert fake[mod]["RateLimitedError"] == real[mod]["RateLimitedError"], mod
+        if fake[mod]["all"] is not None:
+            assert set(fake[mod]["all"]) <= set(real[mod]["all"] or []), (
+                f"{mod}.__all__ has names the real lacks"
+            )
+    assert real["qai_hub"]["RateLimitedError"] is False and real["qai_hub.client"]["RateLimitedError"] is True
+    for name, params in fake["signatures"].items():
+        assert name in real["signatures"], f"{name} is not in the real package"
+        assert params == real["signatures"][name], f"{name}: {params} != {real['signatures'][name]}"
+    # What the compile stage itself touches exists in both.
+    for mod, name in [
+        ("qai_hub", n) for n in ("Client", "ClientConfig", "Device", "Error", "UserError", "InternalError")
+    ]:
+        assert name in real[mod]["names"] and name in fake[mod]["names"], name

@@ -43,14 +43,16 @@ def test_plan_json_is_machine_readable(g4v69):
     assert r.exit_code == 0
     data = json.loads(r.output)
     assert data["config"]["soc"] == "SM8450" and data["dsp_arch"] == "v69"
-    assert len(data["parts"]) == 4 and len(data["graphs"]) == 8
+    # The default: one graph kind per part, so 4 graphs (and 4 binaries) for 4 parts.
+    assert len(data["parts"]) == 4 and len(data["graphs"]) == 4 and len(data["binaries"]) == 4
     assert data["decode_tokens_per_s_ceiling"] > 0
 
 
 def test_plan_table_is_readable(g4v69):
-    r = g4v69("--num-shards", "2", "plan")
+    r = g4v69("--num-shards", "2", "--precision", "w8a16", "--prefill-ar", "128", "plan")
     assert r.exit_code == 0
     assert "part2_of_2" in r.output and "Decode roofline" in r.output and "Warnings" in r.output
+    assert "Layouts side by side" in r.output
 
 
 def test_plan_output_file(g4v69):
@@ -99,15 +101,26 @@ def test_plan_reads_a_checkpoint_config(g4v69, tmp_path):
     assert json.loads(r.output)["params"]["embedding"] == 256 * 64
 
 
-def test_stamp_rewrites_only_on_change(g4v69, tmp_path):
-    out = tmp_path / "s" / "export.json"
-    assert g4v69("stamp", "export", "--output", str(out)).exit_code == 0
-    first = out.stat().st_mtime_ns
-    g4v69("stamp", "export", "--output", str(out))
-    assert out.stat().st_mtime_ns == first
-    g4v69("--max-context", "4096", "stamp", "export", "--output", str(out))
-    assert json.loads(out.read_text())["max_context"] == 4096
-    assert "soc" not in json.loads(out.read_text())
+@pytest.mark.parametrize("field, value", [("precision", "w8a16"), ("ple_policy", "int8")])
+def test_precision_and_ple_policy_change_the_export_stamp(field, value):
+    # The part split balances weight bytes at both, so Make must redo the export when either changes.
+    from stages.config import load_config, stamp_name
+
+    assert stamp_name(load_config("default", {field: value}), "export") != stamp_name(
+        load_config("default"), "export"
+    )
+
+
+def test_plan_prices_the_layouts_and_their_limits(g4v69):
+    original = g4v69("--precision", "w8a16", "--prefill-ar", "128", "plan")
+    assert original.exit_code == 0 and "OVER" in original.output  # 7.27 GiB on an 8 GB phone
+    r = g4v69("plan")
+    assert r.exit_code == 0
+    assert "per-context allocation limit" in r.output and "OVER" not in r.output
+    assert "most accurate layout that fits a phone with 8 GB: w4a16, one graph kind AR-1" in r.output
+    data = json.loads(g4v69("plan", "--json").output)
+    assert {lay["precision"] for lay in data["layouts"]} == {"w8a16", "w4a16"}
+    assert all(c["source"] for c in data["limits"])
 
 
 def test_doctor_never_prints_a_token(g4v69):

@@ -6,6 +6,7 @@ from stages.config import (
     STAGES,
     ConfigError,
     load_config,
+    model_name_from_dir,
     stage_fields,
 )
 
@@ -13,13 +14,14 @@ from stages.config import (
 def test_default_preset_is_the_real_job():
     cfg = load_config()
     assert cfg.model == "google/gemma-4-E2B-it"
-    assert cfg.soc == "SM8450" and cfg.precision == "w8a16"
-    assert (cfg.max_context, cfg.prefill_ar, cfg.decode_ar, cfg.num_shards) == (2048, 128, 1, 4)
+    # The layout the plan says fits an 8 GB phone (test_geometry_and_plan checks it is the plan's pick).
+    assert cfg.soc == "SM8450" and cfg.precision == "w4a16"
+    assert (cfg.max_context, cfg.prefill_ar, cfg.decode_ar, cfg.num_shards) == (2048, 1, 1, 4)
     assert cfg.compiler == "local" and cfg.ple_policy == "float16"
     assert (cfg.calibration_dataset, cfg.calibration_samples, cfg.calibration_tokens) == (
         "wikitext-2-raw-v1",
-        20,
-        4096,
+        4,
+        512,
     )
     assert cfg.kv_cache_bits == 8  # v69 has no 16x16 matmul
     assert cfg.checkpoint_name == "gemma-4-e2b-it"
@@ -48,7 +50,7 @@ def test_none_overrides_keep_the_preset_value():
         ({"decode_ar": 4096}, "decode_ar", "1..2047"),
         ({"num_shards": 0}, "num_shards", ">= 1"),
         ({"precision": "w16a16"}, "precision", "w8a16, w4a16"),
-        ({"precision": "w3a7"}, "precision", "w8a16, w4a16, w16a16"),
+        ({"precision": "w3a7"}, "precision", "w8a16, w4a16, w4a16-lpbq, w16a16"),
         ({"compiler": "cloud"}, "compiler", "local, aihub"),
         ({"kv_bits": "16"}, "kv_bits", "auto, 8"),
         ({"ple_policy": "int4"}, "ple_policy", "float16, int16, int8"),
@@ -71,8 +73,20 @@ def test_w4a16_needs_lpbq_so_not_on_v68():
     assert load_config(overrides={"precision": "w4a16"}).precision == "w4a16"
 
 
-def test_w16a16_runs_on_v73_and_later():
-    assert load_config(overrides={"soc": "SM8650", "precision": "w16a16"}).precision == "w16a16"
+def test_a_precision_the_pipeline_cannot_build_is_refused_everywhere():
+    # w16a16 would run on v73+ but the quantize stage has no 16-bit weight scheme: refused, not ignored.
+    with pytest.raises(ConfigError, match="w16a16 is refused: the quantize stage has no 16-bit weight"):
+        load_config(overrides={"soc": "SM8650", "precision": "w16a16"})
+
+
+def test_lpbq_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="w4a16-lpbq is refused: its v69 binaries disagree"):
+        load_config(overrides={"precision": "w4a16-lpbq"})
+
+
+def test_precision_and_ple_policy_re_export():
+    # The part split balances weight bytes at the precision and the PLE policy.
+    assert {"precision", "ple_policy"} <= set(stage_fields("export"))
 
 
 def test_unknown_preset_lists_presets():
@@ -105,3 +119,35 @@ def test_every_field_belongs_to_exactly_one_stage():
     owned = [f for s in STAGES for f in stage_fields(s)]
     assert sorted(owned) == sorted(FIELD_NAMES)
     assert "soc" in stage_fields("quantize") and "compiler" in stage_fields("compile")
+
+
+def test_a_folder_name_is_a_model_for_from_imports():
+    assert load_config(overrides={"model": "My-Finetune_2.1"}).checkpoint_name == "my-finetune_2.1"
+    with pytest.raises(ConfigError, match="nor a folder name for a FROM=DIR import"):
+        load_config(overrides={"model": "a b"})
+
+
+def test_the_model_is_named_after_the_from_folder(tmp_path):
+    assert model_name_from_dir(tmp_path / "mm") == "mm"
+    assert model_name_from_dir(f"{tmp_path}/mm/") == "mm"
+    snapshot = tmp_path / "hub" / "models--google--gemma-4-E2B-it" / "snapshots" / "0123abc"
+    assert model_name_from_dir(snapshot) == "google/gemma-4-E2B-it"
+    with pytest.raises(ConfigError, match="'my model' is not a plain folder name.*set MODEL"):
+        model_name_from_dir(tmp_path / "my model")
+
+
+def test_the_makefile_helper_prints_the_model_and_its_folder(tmp_path):
+    import subprocess
+    import sys
+
+    def helper(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "stages.config", *args], capture_output=True, text=True)
+
+    assert helper("--from", str(tmp_path / "Mm")).stdout.split()[:2] == ["Mm", "mm"]
+    assert helper("--model", "google/gemma-4-E2B-it", "--from", str(tmp_path / "Mm")).stdout.split()[:2] == [
+        "google/gemma-4-E2B-it",
+        "gemma-4-e2b-it",
+    ]
+    assert helper("--preset", "tiny").stdout.split()[:2] == ["tiny", "tiny"]
+    bad = helper("--from", str(tmp_path / "a b"))
+    assert bad.returncode == 1 and "set MODEL" in bad.stderr

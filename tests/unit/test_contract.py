@@ -21,9 +21,14 @@ HOST_INPUTS = {
 }
 
 
+def _original():
+    """The original plan's layout: AR-128 prefill and AR-1 decode graphs."""
+    return load_config(overrides={"precision": "w8a16", "prefill_ar": 128})
+
+
 @pytest.fixture(scope="module")
 def e2b_specs():
-    cfg = load_config()
+    cfg = _original()
     geo = e2b_geometry()
     return graph_specs(geo, cfg, part_layers(geo, cfg))
 
@@ -81,7 +86,7 @@ def test_cross_part_tensors_avoid_cache_group_prefixes(e2b_specs):
 
 
 def test_plan_and_contract_split_the_same_layers(e2b_specs):
-    cfg = load_config()
+    cfg = _original()
     plan = make_plan(e2b_geometry(), cfg)
     assert [p.layers for p in plan.parts] == [list(s.layers) for s in e2b_specs[:4]]
 

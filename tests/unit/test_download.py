@@ -278,14 +278,19 @@ def test_a_text_only_save_under_model_is_accepted(tiny_copy):
     assert summary.text_prefix == "model." and summary.other_tensors == 0 and summary.extra_text_tensors == 0
 
 
-def test_extra_text_tensors_are_tolerated(tiny_copy):
-    """The real checkpoint may keep k/v weights of KV-shared layers; transformers ignores them."""
+def test_extra_text_tensors_are_accepted_and_listed(tiny_copy):
+    """The published E2B-it keeps K/V weights of KV-shared layers, which transformers drops silently;
+    a tensor Gemma 4 has no place for at all it drops with a warning. Both are accepted and listed."""
     import torch
 
     tensors = load_tensors(tiny_copy / "model.safetensors")
     tensors[dl.TEXT_PREFIX + "layers.5.self_attn.k_proj.weight"] = torch.zeros(32, 64, dtype=torch.bfloat16)
+    tensors[dl.TEXT_PREFIX + "layers.1.self_attn.extra.weight"] = torch.zeros(4, dtype=torch.bfloat16)
     save_tensors(tensors, tiny_copy / "model.safetensors")
-    assert dl.validate_checkpoint(tiny_copy).extra_text_tensors == 1
+    summary = dl.validate_checkpoint(tiny_copy)
+    assert summary.extra_text_tensors == 2
+    assert summary.ignored_tensors == (dl.TEXT_PREFIX + "layers.5.self_attn.k_proj.weight",)
+    assert summary.unused_tensors == (dl.TEXT_PREFIX + "layers.1.self_attn.extra.weight",)
 
 
 @pytest.mark.parametrize(
@@ -361,6 +366,13 @@ def test_cli_from_a_truncated_file_fails_naming_it_and_leaves_nothing(g4v69, tin
     assert list((work / "checkpoints").iterdir()) == []  # neither tiny/ nor a .partial folder
 
 
+def test_a_folder_name_model_without_from_says_to_import_it(g4v69, tmp_path):
+    work = tmp_path / "w"
+    r = g4v69("--workdir", str(work), "--model", "mm", "download")
+    assert r.exit_code == 2 and "import the folder with `make download FROM=DIR`" in r.output
+    assert not (work / "checkpoints" / "mm").exists()
+
+
 def test_cli_from_a_wrong_model_fails(g4v69, tiny_copy, tmp_path):
     (tiny_copy / "config.json").write_text(json.dumps({"model_type": "qwen3", "text_config": {}}))
     r = g4v69("--workdir", str(tmp_path / "w"), "--model", "tiny", "download", "--from", str(tiny_copy))
@@ -406,6 +418,19 @@ def test_make_download_from_imports_a_snapshot(tmp_path, tiny_dir):
     r = make(f"WORKDIR={tmp_path}", f"MODEL={REPO_ID}", f"FROM={tiny_dir}")
     assert r.returncode == 0, r.stderr
     assert read_report(tmp_path / "checkpoints" / "gemma-4-e2b-it")["figures"]["source"] == "from"
+
+
+@in_venv
+def test_make_download_from_names_the_checkpoint_after_the_folder_or_model(tmp_path, tiny_dir):
+    snapshot = tmp_path / "My-Finetune"
+    shutil.copytree(tiny_dir, snapshot)
+    work = tmp_path / "w"
+    r = make(f"WORKDIR={work}", f"FROM={snapshot}")
+    assert r.returncode == 0, r.stderr
+    assert read_report(work / "checkpoints" / "my-finetune")["options"]["model"] == "My-Finetune"
+    r = make(f"WORKDIR={work}", "MODEL=mm", f"FROM={snapshot}")
+    assert r.returncode == 0, r.stderr
+    assert read_report(work / "checkpoints" / "mm")["figures"]["source"] == "from"
 
 
 # ---- the Hub path, against doubles of huggingface_hub ----

@@ -17,7 +17,7 @@ def test_a_part_over_the_context_limit_is_refused(tmp_path):
     ckpt.mkdir(parents=True)
     (ckpt / "config.json").write_text(json.dumps(gemma4_config(E2B_TEXT_CONFIG)))
     (ckpt / "report.json").write_text("{}")
-    cfg = load_config("default", {"soc": "SM8650", "precision": "w16a16", "num_shards": 1})
-    with pytest.raises(ExportError, match="over the 4 GB per-context limit; raise NUM_SHARDS"):
+    cfg = load_config("default", {"num_shards": 1, "precision": "w8a16"})
+    with pytest.raises(ExportError, match="over SM8450's per-context limit of 2097152 KB .*num_shards >= 2"):
         run_export(cfg, tmp_path, ckpt)
     assert not (tmp_path / "exported").exists()

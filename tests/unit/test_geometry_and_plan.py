@@ -8,7 +8,15 @@ from conftest import TINY_GEMMA4_CONFIG
 from stages.config import load_config
 from stages.geometry import FULL, SLIDING, e2b_geometry, geometry_from_config
 from stages.graphs import PartitionError, partition_layers
-from stages.plan import kv_cache_bytes, make_plan
+from stages.plan import (
+    GIB,
+    kv_cache_bytes,
+    make_layouts,
+    make_plan,
+    over_context_limit,
+    recommended_layout,
+)
+from stages.precision import INT4_CHANNEL, INT4_LPBQ64
 
 MIB = 1 << 20
 
@@ -16,6 +24,18 @@ MIB = 1 << 20
 @pytest.fixture(scope="module")
 def geo():
     return e2b_geometry()
+
+
+def original(**overrides):
+    """The original plan's job (w8a16, AR-128 prefill + AR-1 decode): the figures FACTS.md gives."""
+    return load_config(overrides={"precision": "w8a16", "prefill_ar": 128, "decode_ar": 1, **overrides})
+
+
+def test_the_default_preset_is_the_layout_the_plan_recommends_for_an_8gb_phone(geo):
+    cfg = load_config()
+    best = recommended_layout(make_layouts(geo, cfg), 8)
+    assert best.is_config and best.name == "w4a16, one graph kind AR-1"
+    assert make_plan(geo, cfg).fits(8)
 
 
 def approx(value, expected, rel=0.005):
@@ -47,22 +67,22 @@ def test_e2b_parameter_counts_match_facts(geo):
 
 
 def test_ple_table_bytes_match_facts(geo):
-    cfg16 = load_config(overrides={"ple_lut_bits": 16})
-    cfg8 = load_config()
+    cfg16 = original(**{"ple_lut_bits": 16})
+    cfg8 = original()
     assert approx(make_plan(geo, cfg16).luts["per_layer_embedding"], 4.70e9)
     assert approx(make_plan(geo, cfg8).luts["per_layer_embedding"], 2.35e9)
 
 
 def test_kv_cache_bytes_match_facts(geo):
-    cfg16 = load_config(overrides={"soc": "SM8550", "kv_bits": "16"})
+    cfg16 = original(**{"soc": "SM8550", "kv_bits": "16"})
     assert kv_cache_bytes(geo, cfg16, windowed=False) == 36 * MIB
     assert kv_cache_bytes(geo, cfg16, windowed=True) == 18 * MIB
     # v69 keeps an 8-bit cache: half of it.
-    assert make_plan(geo, load_config()).kv_cache_bytes == 9 * MIB
+    assert make_plan(geo, original()).kv_cache_bytes == 9 * MIB
 
 
 def test_decoder_at_int8_and_roofline_match_facts(geo):
-    plan = make_plan(geo, load_config())
+    plan = make_plan(geo, original())
     layers_only = sum(p.bytes for p in plan.parts) - 402_653_184  # minus the int8 lm_head
     assert approx(layers_only, 1.86e9 + 27.6e6 + 13.8e6, rel=0.02)  # PLE paths stay float16
     assert approx(plan.decode_bytes_per_token, 2.3e9, rel=0.03)
@@ -70,7 +90,7 @@ def test_decoder_at_int8_and_roofline_match_facts(geo):
 
 
 def test_v69_plan_has_separate_binaries_and_warns(geo):
-    plan = make_plan(geo, load_config())
+    plan = make_plan(geo, original())
     assert len(plan.graphs) == 8
     assert [g.name for g in plan.graphs[:2]] == ["prefill_ar128_part1_of_4", "prefill_ar128_part2_of_4"]
     assert plan.device_bytes == plan.device_bytes_separate_binaries
@@ -81,26 +101,28 @@ def test_v69_plan_has_separate_binaries_and_warns(geo):
     assert not any("LUT" in w for w in plan.warnings)
 
 
-def test_v73_plan_shares_weights_without_warning(geo):
-    plan = make_plan(geo, load_config(overrides={"soc": "SM8550"}))
+def test_v73_plan_shares_weights_and_meets_its_limits(geo):
+    plan = make_plan(geo, original(**{"soc": "SM8550"}))
     assert plan.device_bytes == plan.device_bytes_shared_weights
-    assert plan.warnings == []
+    # No warning about binaries: only the (estimated) 8 GB phone budget, by 0.12 GiB.
+    assert [w for w in plan.warnings if "8 GB phone" not in w] == []
+    assert plan.fits(12) and not plan.fits(8)
 
 
 def test_limits_warn(geo):
-    lut = make_plan(geo, load_config(overrides={"ple_lut_bits": 16}))
+    lut = make_plan(geo, original(**{"ple_lut_bits": 16}))
     assert any("over Genie's 4 GiB LUT limit" in w for w in lut.warnings)
-    big = make_plan(geo, load_config(overrides={"soc": "SM8650", "precision": "w16a16", "num_shards": 1}))
-    assert any("per-context limit" in w for w in big.warnings)
+    big = make_plan(geo, original(**{"num_shards": 1}))
+    assert any("per-context allocation limit" in w for w in big.warnings)
 
 
 def test_one_graph_per_part_when_prefill_equals_decode(geo):
-    plan = make_plan(geo, load_config(overrides={"prefill_ar": 1}))
+    plan = make_plan(geo, original(**{"prefill_ar": 1}))
     assert len(plan.graphs) == 4 and plan.device_bytes_separate_binaries == plan.device_bytes_shared_weights
 
 
 def test_parts_cover_every_layer_once_with_lm_head_last(geo):
-    plan = make_plan(geo, load_config())
+    plan = make_plan(geo, original())
     assert list(itertools.chain.from_iterable(p.layers for p in plan.parts)) == list(range(35))
     assert "lm_head" in plan.parts[-1].holds and "PLE projection" in plan.parts[0].holds
     assert plan.params["in_graphs"] == sum(p.params for p in plan.parts)
@@ -137,3 +159,67 @@ def test_multimodal_config_with_text_config_is_read():
     assert [layer.kv_donor for layer in geo.layers] == [0, 1, 0, 1]
     assert [layer.intermediate_size for layer in geo.layers] == [128, 128, 256, 256]
     assert geo.ple_table.shape == (256, 32)
+
+
+def _limit(plan, prefix):
+    return next(c for c in plan.limits if c.limit.startswith(prefix))
+
+
+def test_a_2_1_gib_v69_context_is_refused_and_the_fix_named(geo):
+    plan = make_plan(geo, original(**{"num_shards": 1}))
+    worst = max(b.estimated_allocation for b in plan.binaries)
+    assert 2.1 * GIB < worst < 2.3 * GIB  # the whole w8a16 decoder in one context
+    check = _limit(plan, "per-context allocation limit")
+    assert not check.meets and check.limit_bytes == 2_097_152 * 1024
+    assert "num_shards >= 2" in over_context_limit(geo, original(**{"num_shards": 1}))
+    # The same context is within v73's 3.5 GiB.
+    assert over_context_limit(geo, original(**{"num_shards": 1, "soc": "SM8550"})) == ""
+
+
+def test_estimated_allocation_is_weights_plus_activations(geo):
+    plan = make_plan(geo, original())
+    for g in plan.graphs:
+        a = g.allocation
+        assert a["weights"] == g.bytes and a["io"] > 0 and a["intermediates"] > 0
+        assert a["total"] == a["weights"] + a["io"] + a["intermediates"] + a["spill_fill"]
+    prefill, decode = plan.graphs[3], plan.graphs[7]  # the lm_head parts: AR-128 logits dominate I/O
+    assert prefill.allocation["io"] > 128 * 262144 * 2 > decode.allocation["io"]
+    assert plan.mapped_bytes == sum(b.estimated_allocation for b in plan.binaries)
+
+
+def test_the_default_v69_layout_is_over_the_8gb_phone_and_one_process_domain(geo):
+    plan = make_plan(geo, original())
+    assert not _limit(plan, "single-process-domain").meets  # 4.5 GiB of contexts > 4 GiB
+    assert not _limit(plan, "RAM a bundle may pin (8 GB").meets
+    assert _limit(plan, "RAM a bundle may pin (12 GB").meets
+    assert approx(plan.device_bytes / GIB, 7.27, rel=0.01)
+
+
+def test_4bit_weights_halve_the_decoder_and_say_what_is_unverified(geo):
+    w8 = make_plan(geo, original(**{"prefill_ar": 1}))
+    w4 = make_plan(geo, original(**{"prefill_ar": 1, "precision": "w4a16"}))
+    decoder = 1.86e9
+    assert approx(sum(p.bytes for p in w8.parts) - sum(p.bytes for p in w4.parts), decoder / 2, rel=0.02)
+    # LPBQ would add one uint8 scale per 64 weights.
+    assert INT4_LPBQ64.stored_bytes(64 * 1536) - INT4_CHANNEL.stored_bytes(64 * 1536) == 1536
+    assert w4.fits(8) and not w8.fits(8)
+    phone = _limit(w4, "RAM a bundle may pin (8 GB")
+    assert "unpacks them at load" in phone.unverified
+    assert "unpacks" not in _limit(w8, "RAM a bundle may pin (8 GB").unverified
+
+
+def test_layouts_price_both_precisions_and_both_graph_kinds(geo):
+    layouts = make_layouts(geo, original())
+    names = [lay.name for lay in layouts]
+    assert "w8a16, prefill AR-128 + decode AR-1" in names and "w4a16, one graph kind AR-1" in names
+    assert {lay.precision for lay in layouts} == {"w8a16", "w4a16"}
+    assert sum(lay.is_config for lay in layouts) == 1
+    separate = next(lay for lay in layouts if lay.name == "w8a16, prefill AR-128 + decode AR-1")
+    one = next(lay for lay in layouts if lay.name == "w8a16, one graph kind AR-1")
+    assert separate.binaries_bytes == 2 * one.binaries_bytes  # v69 stores the weights twice
+    best = recommended_layout(layouts, 8)
+    # 4-bit weights in one graph kind at AR-1.
+    assert best is not None and best.fits[8] and best.name == "w4a16, one graph kind AR-1"
+    # Nothing more accurate fits: every w8a16 layout is over the 8 GB phone.
+    assert all(not lay.fits[8] for lay in layouts if lay.precision == "w8a16")
+    assert recommended_layout(layouts, 12).precision == "w8a16"

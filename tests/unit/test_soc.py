@@ -34,3 +34,27 @@ def test_soc_models_are_unique():
 def test_unknown_soc_names_the_allowed_values():
     with pytest.raises(UnknownSocError, match="SM8450"):
         get_soc("SM1234")
+
+
+def test_v68_v69_context_limit_is_2_gib_and_v73_up_3_5_gib():
+    for soc in SOCS.values():
+        limit = soc.limits.context_allocation
+        # The compiler's own message counts KB of 1024 bytes.
+        assert limit.bytes == (2_097_152 if soc.htp_arch <= 69 else 3_670_016) * 1024
+        assert "KB" in limit.source or "limit" in limit.source
+
+
+@pytest.mark.parametrize("name", list(SOCS))
+def test_every_memory_limit_carries_its_source(name):
+    limits = SOCS[name].limits
+    assert limits.process_domain.bytes == 4 << 30  # 32-bit process domains up to v79
+    assert limits.context_allocation.source and limits.process_domain.source
+    assert limits.phones and [p.ram_gib for p in limits.phones] == sorted(p.ram_gib for p in limits.phones)
+    for phone in limits.phones:
+        assert 0 < phone.pinnable_bytes < phone.ram_bytes and "reserve" in phone.derivation
+
+
+def test_an_8gb_galaxy_s22_may_pin_about_5_gb():
+    phone = get_soc("SM8450").limits.phone(8)
+    assert phone.pinnable_bytes == 5 << 30  # FACTS.md s.2: roughly 5 GB of an 8 GB phone
+    assert "FACTS.md" in phone.derivation

@@ -1,0 +1,107 @@
+"""The quantization schemes: one row per precision, read by the quantize stage, its audit, the planner
+and the compile rules check.
+
+A precision says how each kind of weight is stored (bits, per output channel or in blocks along the
+input dimension) and how wide activations are. The KV cache and the PLE paths have their own config
+fields (kv_bits, ple_policy); the lm_head is never below 8 bits (it is the tied embedding, and the
+logits are what the user sees).
+
+4-bit schemes (FACTS.md s.4; compiled with QAIRT 2.51 for soc 36 / v69):
+- int4 per output channel: DequantizeLinear on an INT4 initializer with `axis`, symmetric.
+- LPBQ (low-power block quantization): INT4 weights in blocks of `block_size` along the input
+  dimension, whose per-block scales are UINT8 values times a per-output-channel float scale; in ONNX a
+  UINT8 DequantizeLinear (per channel) computes the block scales of the INT4 DequantizeLinear. This is
+  the pattern onnxruntime's QNN EP fuses into an HTP blockwise-expansion encoding (lpbqmatmul_fusion).
+
+Stdlib only: the Makefile reads the config (and so this table) before any image exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    name: str
+    bits: int
+    # 0: one scale per output channel; > 0: one scale per block of this many input rows (LPBQ).
+    block_size: int = 0
+    # What the audit expects as the DequantizeLinear input type of a weight with this scheme.
+    onnx_type: str = ""
+
+    @property
+    def blockwise(self) -> bool:
+        return self.block_size > 0
+
+    def stored_bytes(self, numel: int) -> int:
+        """Bytes a weight of `numel` elements takes in a binary: the values, plus one UINT8 scale per
+        block for LPBQ (per-channel float scales are a rounding error and are left out)."""
+        values = (numel * self.bits + 7) // 8
+        return values + (numel // self.block_size if self.blockwise else 0)
+
+
+INT8_CHANNEL = WeightScheme("int8-channel", 8, onnx_type="int8")
+INT4_CHANNEL = WeightScheme("int4-channel", 4, onnx_type="int4")
+INT4_LPBQ64 = WeightScheme("int4-lpbq64", 4, block_size=64, onnx_type="int4")
+INT16_CHANNEL = WeightScheme("int16-channel", 16, onnx_type="int16")
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    decoder_weights: WeightScheme  # attention and MLP projections of every decoder layer
+    lm_head: WeightScheme
+    activation_bits: int
+    # 4-bit weights on the HTP (block-wise LPBQ, or int4 per channel on the same kernel) need v69+.
+    needs_lpbq: bool = False
+    # 16-bit weights against 16-bit activations need the v73+ 16x16 matmul.
+    needs_matmul_16x16: bool = False
+    # Why the pipeline refuses this precision; empty when it runs end to end.
+    not_built: str = ""
+    # 0 = most accurate. Ordered by the quality report on the trained tiny model (README, "Fitting
+    # the target"); the planner recommends the most accurate layout that fits.
+    quality_rank: int = 0
+
+    @property
+    def weight_bits(self) -> int:
+        return self.decoder_weights.bits
+
+    def runs_on(self, soc) -> bool:
+        return (soc.lpbq_4bit_weights or not self.needs_lpbq) and (
+            soc.matmul_16x16 or not self.needs_matmul_16x16
+        )
+
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("w8a16", INT8_CHANNEL, INT8_CHANNEL, activation_bits=16),
+        # int4 per output channel: its v69 binaries agree with their QDQ graphs in QNN's HTP emulation
+        # as closely as int8 (6 LSB mean on a test MatMul), and it measured as accurate as LPBQ on the
+        # tiny model (README, "Fitting the target").
+        Precision("w4a16", INT4_CHANNEL, INT8_CHANNEL, activation_bits=16, needs_lpbq=True, quality_rank=1),
+        Precision(
+            "w4a16-lpbq",
+            INT4_LPBQ64,
+            INT8_CHANNEL,
+            activation_bits=16,
+            needs_lpbq=True,
+            quality_rank=1,
+            not_built=(
+                "its v69 binaries disagree with their QDQ graphs in QNN's HTP emulation (onnxruntime-qnn "
+                "2.7.0: 1666 LSB mean on a test MatMul where int8 and int4 per channel are within 6); "
+                "use w4a16 (int4 per channel)"
+            ),
+        ),
+        Precision(
+            "w16a16",
+            INT16_CHANNEL,
+            INT16_CHANNEL,
+            activation_bits=16,
+            needs_matmul_16x16=True,
+            quality_rank=-1,
+            not_built="the quantize stage has no 16-bit weight scheme yet (use w8a16)",
+        ),
+    )
+}

@@ -1,0 +1,253 @@
+"""Integrity and faults in the shared core: input hashes against upstream reports, per-config stamps,
+stale partial folders, disk space, and the CLI's one-line errors for full or read-only disks."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from stages import report as rp
+from stages.config import load_config, stage_key, stamp_name
+from stages.config import main as config_main
+from stages.report import (
+    DiskSpaceError,
+    IntegrityError,
+    check_inputs,
+    copy_file,
+    read_report,
+    remove_stale_partials,
+    stage_output,
+    write_stamp,
+)
+
+
+def _make_stage(workdir, stage, files):
+    """A finished stage folder under workdir with the given files, through stage_output."""
+    out = workdir / rp.STAGE_DIRS[stage] / ("tiny" if stage == "download" else "")
+    with stage_output(stage, out, [], {}, root=workdir) as run:
+        for name, data in files.items():
+            (run.dir / name).parent.mkdir(parents=True, exist_ok=True)
+            (run.dir / name).write_bytes(data)
+    return out
+
+
+def _flip(path, offset=0):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+# ---- hashes against the upstream report ----
+def test_a_flipped_byte_names_the_file_and_the_stage_and_removes_its_stamps(tmp_path):
+    out = _make_stage(tmp_path, "export", {"a.onnx": b"x" * 100, "luts/e.bin": b"y" * 10})
+    (tmp_path / ".g4v69").mkdir()
+    for name in ("export-aaa.json", "export-bbb.json", "quantize-ccc.json"):
+        (tmp_path / ".g4v69" / name).write_text("{}")
+    check_inputs(tmp_path, [out])  # untouched: passes
+    _flip(out / "luts" / "e.bin", 3)
+    with pytest.raises(IntegrityError) as e:
+        check_inputs(tmp_path, [out])
+    line = str(e.value)
+    assert "\n" not in line and str(out / "luts" / "e.bin") in line and "run `make export` again" in line
+    # Make redoes export (its stamps are gone) and then what follows; other stages' stamps stay.
+    assert sorted(p.name for p in (tmp_path / ".g4v69").iterdir()) == ["quantize-ccc.json"]
+
+
+def test_a_single_file_is_checked_against_its_folders_report(tmp_path):
+    out = _make_stage(tmp_path, "compile", {"b.bin": b"z" * 50, "other.bin": b"o"})
+    _flip(out / "other.bin")
+    check_inputs(tmp_path, [out / "b.bin"])  # only b.bin is read
+    (out / "b.bin").write_bytes(b"z" * 49)
+    with pytest.raises(IntegrityError, match=r"b\.bin has 49 bytes, compile wrote 50; run `make compile`"):
+        check_inputs(tmp_path, [out / "b.bin"])
+
+
+def test_a_checkpoint_file_names_the_download_stage_and_only_its_own_stamps(tmp_path):
+    out = _make_stage(tmp_path, "download", {"model.safetensors": b"w" * 64})
+    stamps = tmp_path / ".g4v69"
+    stamps.mkdir()
+    for name in ("download-tiny-aaa.json", "download-tiny-2-bbb.json", "export-ccc.json"):
+        (stamps / name).write_text("{}")
+    (out / "model.safetensors").write_bytes(b"w" * 32)  # truncated
+    with pytest.raises(IntegrityError, match="run `make download` again"):
+        check_inputs(tmp_path, [out])
+    assert sorted(p.name for p in stamps.iterdir()) == ["download-tiny-2-bbb.json", "export-ccc.json"]
+
+
+def test_a_folder_without_a_report_asks_for_its_stage(tmp_path):
+    (tmp_path / "quantized").mkdir()
+    with pytest.raises(IntegrityError, match="holds no finished quantize stage.*`make quantize` first"):
+        check_inputs(tmp_path, [tmp_path / "quantized"])
+
+
+# ---- per-config stamps ----
+def test_stamps_are_keyed_by_the_fields_up_to_their_stage():
+    tiny = load_config("tiny")
+    other_soc = tiny.with_overrides(soc="SM8550")
+    longer = tiny.with_overrides(max_context=256)
+    assert stamp_name(tiny, "download").startswith("download-tiny-")
+    assert stamp_name(other_soc, "export") == stamp_name(tiny, "export")
+    assert stamp_name(other_soc, "quantize") != stamp_name(tiny, "quantize")
+    # A change upstream changes every later stage's key: its output was made from other inputs.
+    assert all(stamp_name(longer, s) != stamp_name(tiny, s) for s in ("export", "quantize", "bundle"))
+    assert set(stage_key(tiny, "compile")) >= {"model", "max_context", "soc", "compiler"}
+
+
+def test_the_makefiles_names_are_the_clis_names():
+    cfg = load_config("tiny", {"soc": "sm8550", "calibration_samples": 3})
+    names = config_main(["--preset", "tiny", "--soc", "sm8550"], {"G4V69_CALIBRATION_SAMPLES": "3"})
+    assert names.split() == [cfg.model, cfg.checkpoint_name] + [
+        stamp_name(cfg, s) for s in ("download", "export", "quantize", "compile", "bundle")
+    ]
+
+
+def test_a_stamp_replaces_its_stages_other_configs_and_is_dated_like_the_report(tmp_path):
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    os.utime(report, ns=(10**18, 10**18))
+    stamps = tmp_path / ".g4v69"
+    stamps.mkdir()
+    for name in ("export-old.json", "quantize-q.json", "download-tiny-a.json", "download-e2b-random-b.json"):
+        (stamps / name).write_text("{}")
+    write_stamp(tmp_path, "export-new.json", {"k": 1}, report)
+    write_stamp(tmp_path, "download-tiny-c.json", {"k": 2}, report)
+    assert sorted(p.name for p in stamps.iterdir()) == [
+        "download-e2b-random-b.json",
+        "download-tiny-c.json",
+        "export-new.json",
+        "quantize-q.json",
+    ]
+    assert (stamps / "export-new.json").stat().st_mtime_ns == 10**18
+    assert json.loads((stamps / "export-new.json").read_text()) == {"k": 1}
+
+
+# ---- stale partial folders ----
+def test_stale_partials_go_and_a_live_runs_stays(tmp_path):
+    dead = tmp_path / ".exported.partial-4242"
+    dead.mkdir()
+    (dead / "big.onnx").write_bytes(b"x")
+    old = tmp_path / ".exported.old-17"
+    old.mkdir()
+    live = tmp_path / ".exported.partial-1"
+    live.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+            str(live),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with stage_output("export", tmp_path / "exported", [], {}, root=tmp_path) as run:
+            (run.dir / "a").write_text("a")
+        assert not dead.exists() and not old.exists() and live.is_dir()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert remove_stale_partials(tmp_path) == [live]
+    # A Hub download's staging folder is how a download resumes: never a stale partial.
+    staging = tmp_path / ".gemma-4-e2b-it.download"
+    staging.mkdir()
+    assert remove_stale_partials(tmp_path) == [] and staging.is_dir()
+
+
+def test_a_running_stage_holds_the_lock_on_its_folder(tmp_path):
+    with stage_output("export", tmp_path / "exported", [], {}, root=tmp_path) as run:
+        fd = os.open(run.dir.parent, os.O_RDONLY)  # the partial folder
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(fd)
+        assert remove_stale_partials(tmp_path) == []
+
+
+def test_library_temp_files_stay_in_the_stage_folder(tmp_path):
+    import tempfile
+
+    with stage_output("quantize", tmp_path / "quantized", [], {}, root=tmp_path) as run:
+        inside = tempfile.mkdtemp()
+        partial = str(run.dir.parent)
+        assert inside.startswith(partial) and os.environ["TMPDIR"].startswith(partial)
+        assert not inside.startswith(str(run.dir))  # the stage's own listing of its output never sees it
+    assert not tempfile.gettempdir().startswith(str(tmp_path))
+    assert [p.name for p in (tmp_path / "quantized").iterdir()] == ["report.json"]
+
+
+# ---- disk space and writes ----
+def test_short_disk_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(rp, "free_bytes", lambda folder: 10**9)
+    with pytest.raises(DiskSpaceError) as e:
+        with stage_output("export", tmp_path / "exported", [], {}, root=tmp_path, need_bytes=2 * 10**9):
+            raise AssertionError("the stage must not start")
+    assert "not enough disk space" in str(e.value) and "1.00 GB free" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_bundle_copy_is_not_a_link(tmp_path):
+    src = tmp_path / "a.bin"
+    src.write_bytes(b"compiled")
+    copy_file(src, tmp_path / "b.bin")
+    assert os.stat(src).st_ino != os.stat(tmp_path / "b.bin").st_ino
+    with open(tmp_path / "b.bin", "r+b") as f:
+        f.write(b"C")
+    assert src.read_bytes() == b"compiled"
+
+
+@pytest.mark.parametrize(
+    ("err", "says"),
+    [
+        (errno.ENOSPC, "the disk is full writing"),
+        (errno.EROFS, "set WORKDIR to a folder you can write to"),
+    ],
+)
+def test_a_full_or_read_only_disk_mid_stage_is_one_line_and_leaves_nothing(
+    g4v69, tmp_path, monkeypatch, err, says
+):
+    import stages.download as dl
+
+    def fault(name, dest, seed=0, **kw):
+        (dest / "model.safetensors").write_bytes(b"half")
+        raise OSError(err, os.strerror(err), str(dest / "model.safetensors"))
+
+    monkeypatch.setattr(dl, "write_builtin_checkpoint", fault)
+    work = tmp_path / "w"
+    r = g4v69("--preset", "tiny", "--workdir", str(work), "download")
+    assert r.exit_code == 2, r.output
+    assert len(r.output.strip().splitlines()) == 1 and says in r.output and "model.safetensors" in r.output
+    assert list((work / "checkpoints").iterdir()) == []
+    assert not (work / ".g4v69").exists()
+
+
+def test_enospc_wrapped_by_a_library_is_one_line(g4v69, tmp_path, monkeypatch):
+    import stages.download as dl
+
+    def fault(*a, **kw):
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:664] . unexpected pos; [Errno 28] No space left"
+        )
+
+    monkeypatch.setattr(dl, "write_builtin_checkpoint", fault)
+    r = g4v69("--preset", "tiny", "--workdir", str(tmp_path / "w"), "download")
+    assert r.exit_code == 2 and "the disk is full" in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_a_finished_stage_is_stamped_dated_like_its_report(g4v69, tmp_path):
+    work = tmp_path / "w"
+    r = g4v69("--preset", "tiny", "--workdir", str(work), "download")
+    assert r.exit_code == 0, r.output
+    stamp = work / ".g4v69" / stamp_name(load_config("tiny"), "download")
+    report = work / "checkpoints" / "tiny" / "report.json"
+    assert stamp.stat().st_mtime_ns == report.stat().st_mtime_ns
+    # The download report records every checkpoint file with its sha256: what later stages check.
+    recorded = {f["path"] for f in read_report(report.parent)["outputs"]}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= recorded

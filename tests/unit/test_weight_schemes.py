@@ -1,0 +1,121 @@
+"""4-bit decoder weights: the int8 weight DequantizeLinear onnxruntime writes is rewritten to the
+precision's scheme (stages/precision.py), runs on onnxruntime's CPU EP, and keeps what it should."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from stages.config import load_config
+from stages.quantize import _pack_int4, apply_weight_scheme, int4_channel, int4_lpbq, weight_role
+from stages.runner import session_options
+
+ROWS, COLS = 256, 16
+
+
+def _weight() -> np.ndarray:
+    """Rows in four blocks of very different magnitude: what block scales are for."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(ROWS, COLS)).astype(np.float32)
+    return w * np.repeat(np.array([0.01, 0.1, 1.0, 0.05], np.float32), ROWS // 4)[:, None]
+
+
+def _int8_qdq_model(w: np.ndarray, weight: str = "layers.0.mlp.down_proj.weight") -> onnx.ModelProto:
+    """Y = X @ W with W as onnxruntime's quantizer leaves it: int8, symmetric, per output channel."""
+    scale = (np.abs(w).max(axis=0) / 127).astype(np.float32)
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    inits = [
+        numpy_helper.from_array(q, f"{weight}_quantized"),
+        numpy_helper.from_array(scale, f"{weight}_scale"),
+        numpy_helper.from_array(np.zeros(COLS, np.int8), f"{weight}_zero_point"),
+    ]
+    nodes = [
+        helper.make_node(
+            "DequantizeLinear",
+            [f"{weight}_quantized", f"{weight}_scale", f"{weight}_zero_point"],
+            ["w_dq"],
+            name="w_DequantizeLinear",
+            axis=1,
+        ),
+        helper.make_node("MatMul", ["X", "w_dq"], ["Y"], name="mm"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 8, ROWS])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 8, COLS])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    return model
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    options = session_options()
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"X": x})[0]
+
+
+def _config(precision: str):
+    """The tiny config at a precision, refused ones included (the LPBQ rewrite stays tested while the
+    config refuses it)."""
+    return dataclasses.replace(load_config("tiny"), precision=precision)
+
+
+def test_int4_packing_is_onnx_s_own_layout():
+    q = np.array([[-8, 7, 0], [1, -1, 3]], np.int8)
+    t = helper.make_tensor("q", TensorProto.INT4, [2, 3], _pack_int4(q), raw=True)
+    assert (numpy_helper.to_array(t).astype(np.int8) == q).all()
+
+
+def test_lpbq_scales_are_uint8_times_a_channel_scale():
+    w = _weight()
+    q, q_scale, channel = int4_lpbq(w, 64)
+    assert q.dtype == np.int8 and q.min() >= -8 and q.max() <= 7
+    assert q_scale.dtype == np.uint8 and q_scale.shape == (ROWS // 64, COLS) and q_scale.max() == 255
+    recon = (q.reshape(4, 64, COLS) * (q_scale * channel)[:, None, :]).reshape(ROWS, COLS)
+    per_channel_q, per_channel_s = int4_channel(w)
+    # Block scales follow the quiet blocks that one scale per column crushes to zero.
+    assert np.abs(recon - w).mean() < 0.5 * np.abs(per_channel_q * per_channel_s - w).mean()
+
+
+@pytest.mark.parametrize(
+    "precision, scheme_type, block", [("w4a16-lpbq", TensorProto.INT4, 64), ("w4a16", TensorProto.INT4, 0)]
+)
+def test_the_rewritten_graph_runs_and_stays_close_to_float(precision, scheme_type, block):
+    w = _weight()
+    model = _int8_qdq_model(w)
+    x = np.random.default_rng(1).normal(size=(1, 8, ROWS)).astype(np.float32)
+    assert apply_weight_scheme(_config(precision), model, {"mm": w}) == 1
+    onnx.checker.check_model(model)
+    inits = {i.name: i for i in model.graph.initializer}
+    dq = next(n for n in model.graph.node if n.output == ["w_dq"])
+    assert inits[dq.input[0]].data_type == scheme_type
+    assert next((a.i for a in dq.attribute if a.name == "block_size"), 0) == block
+    if block:  # the block scales come from a UINT8 DequantizeLinear: the pattern the QNN EP fuses
+        scales = next(n for n in model.graph.node if n.output[0] == dq.input[1])
+        assert scales.op_type == "DequantizeLinear" and inits[scales.input[0]].data_type == TensorProto.UINT8
+    if block:
+        q, q_scale, channel = int4_lpbq(w, block)
+        recon = (q.reshape(-1, block, COLS) * (q_scale * channel)[:, None, :]).reshape(ROWS, COLS)
+    else:
+        q, scale = int4_channel(w)
+        recon = q * scale
+    y = _run(model, x)
+    # onnxruntime dequantizes exactly what the scheme stored, and 4 bits stay near the float weight.
+    np.testing.assert_allclose(y, x @ recon, rtol=1e-4, atol=1e-4)
+    assert np.linalg.norm(y - x @ w) / np.linalg.norm(x @ w) < 0.15
+
+
+def test_lm_head_and_w8a16_keep_int8():
+    w = _weight()
+    head = _int8_qdq_model(w, "lm_head.weight")
+    assert weight_role("lm_head.weight") == "lm_head"
+    assert apply_weight_scheme(load_config("tiny", {"precision": "w4a16"}), head, {"mm": w}) == 0
+    assert apply_weight_scheme(load_config("tiny"), _int8_qdq_model(w), {"mm": w}) == 0
