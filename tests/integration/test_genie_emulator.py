@@ -70,6 +70,11 @@ def _resign(bundle: Path) -> None:
         data = (bundle / f["path"]).read_bytes()
         f.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     (bundle / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    report = json.loads((bundle / "report.json").read_text())  # the bundle stage's record of its outputs
+    for f in report["outputs"]:
+        data = (bundle / f["path"]).read_bytes()
+        f.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (bundle / "report.json").write_text(json.dumps(report, indent=2))
 
 
 def _edit_genie_config(work: Path, edit) -> None:
