@@ -20,6 +20,11 @@ NUM_SHARDS    ?=
 COMPILER      ?=
 QAIRT_VERSION ?=
 PROMPT        ?= What is the capital of France?
+# verify: htp runs the bundle's binaries on the HTP emulation, cpu their compiler inputs (faster);
+# empty thresholds = stages/verify.py's defaults.
+VERIFY_ENGINE ?= htp
+VERIFY_MIN_PREFIX ?=
+VERIFY_MIN_TOP1 ?=
 # A snapshot folder you already have: `make download FROM=DIR` imports it instead of downloading, as
 # checkpoints/<MODEL's name>, or named after DIR when MODEL is empty.
 FROM          ?=
@@ -138,6 +143,7 @@ help: ## list the targets and variables
 	@echo "  PRESET=$(PRESET) MODEL MODEL_REVISION SOC PRECISION MAX_CONTEXT PREFILL_AR DECODE_AR"
 	@echo "  NUM_SHARDS COMPILER=local|aihub (aihub: QAI_HUB_API_TOKEN) QAIRT_VERSION PROMPT FROM=DIR (import a snapshot) RUNNER=docker|local WORKDIR=$(WORKDIR)"
 	@echo "  QUANT_ARGS (e.g. --compare-ple-policies) QUANT_IMAGE=quant|quant-rocm DOCKER_ARGS"
+	@echo "  VERIFY_ENGINE=htp|cpu VERIFY_MIN_PREFIX VERIFY_MIN_TOP1 (verify's pass thresholds)"
 	@echo "  BASE_IMAGE=$(BASE_IMAGE) (or 'debootstrap') WHEELHOUSE=$(WHEELHOUSE)"
 
 # ---- pipeline ----
@@ -161,7 +167,8 @@ $(BUNDLE_REPORT): $(COMPILE_REPORT) $(BUNDLE_STAMP) | $(call RUNNER_DEP,compile)
 	$(call g4v69,compile) bundle
 # verify is a check: it runs whenever asked (with the PROMPT given), on top of a finished bundle.
 $(VERIFY_REPORT): $(BUNDLE_REPORT) FORCE | $(call RUNNER_DEP,export)
-	@$(call g4v69,export) verify
+	@$(call g4v69,export) verify --engine '$(VERIFY_ENGINE)' $(call opt,min-prefix,$(VERIFY_MIN_PREFIX)) \
+	  $(call opt,min-top1,$(VERIFY_MIN_TOP1))
 	@echo "bundle: $(ABS_WORKDIR)/genie_bundle"
 
 download: $(DOWNLOAD_REPORT) ## fetch the checkpoint (or make the built-in tiny model) into checkpoints/

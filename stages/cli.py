@@ -406,26 +406,58 @@ def _echo_bundle_limits(obj: Context) -> None:
     help="the user turn (or G4V69_PROMPT)",
 )
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--engine",
+    type=click.Choice(["htp", "cpu"]),
+    default="htp",
+    show_default=True,
+    help="htp: the ctx-bins on the HTP emulation; cpu: their compiler inputs on the CPU EP (faster)",
+)
+@click.option(
+    "--min-prefix", type=click.IntRange(0), help="fail below this many greedy tokens equal to transformers"
+)
+@click.option(
+    "--min-top1", type=click.FloatRange(0, 1), help="fail below this top-1 agreement with transformers"
+)
 @click.pass_obj
-def verify(obj: Context, prompt: str, max_new_tokens: int) -> None:
-    """Check genie_bundle/ on the host: hashes, binaries vs config, tokens vs transformers; into verify/."""
+def verify(
+    obj: Context,
+    prompt: str,
+    max_new_tokens: int,
+    engine: str,
+    min_prefix: int | None,
+    min_top1: float | None,
+) -> None:
+    """Check genie_bundle/ on the host: hashes, binaries vs config, the binaries under a Genie emulator
+    vs transformers; into verify/."""
     from stages.bundle import BundleError
+    from stages.chat import ChatError
     from stages.checkpoint import CheckpointError
     from stages.runner import RunnerError
-    from stages.verify import VerifyError, run_verify
+    from stages.verify import Thresholds, VerifyError, run_verify
 
     try:
-        report = run_verify(obj.config, obj.workdir, obj.checkpoint_dir(), prompt, max_new_tokens)
-    except (VerifyError, BundleError, CheckpointError, RunnerError) as e:
+        report = run_verify(
+            obj.config,
+            obj.workdir,
+            obj.checkpoint_dir(),
+            prompt,
+            max_new_tokens,
+            engine,
+            Thresholds.with_overrides(min_prefix, min_top1),
+        )
+    except (VerifyError, BundleError, CheckpointError, ChatError, RunnerError) as e:
         raise UserError(str(e)) from None
     fig = report["figures"]
+    heldout = fig["heldout"]
     click.echo(f"prompt: {prompt}")
-    click.echo(f"bundle (quantized, host): {fig['bundle_text']!r}")
-    click.echo(f"transformers (float):     {fig['transformers_text']!r}")
+    click.echo(f"bundle (Genie emulator, {engine}): {fig['bundle_text']!r}")
+    click.echo(f"transformers (float):      {fig['transformers_text']!r}")
     click.echo(
         f"{obj.workdir / 'verify'}: {fig['bundle']} passes its checks; greedy tokens match transformers for "
         f"{fig['matching_prefix_tokens']} of {len(fig['transformers_tokens'])}, top-1 agreement "
         f"{fig['top1_agreement']:.3f}"
+        + (f", held-out {heldout['top1_agreement']:.3f}" if heldout["ran"] else ", held-out text not checked")
     )
 
 

@@ -412,6 +412,30 @@ def available_memory_bytes() -> int:
     return proc_field_bytes("/proc/meminfo", "MemAvailable") or 4 << 30
 
 
+def sortable_graph_name(name: str, part: int, num_parts: int) -> str:
+    """`name` with its start replaced by `part001_of_002_`: the same length, sorting in part order.
+
+    Genie buckets the graphs of one AR and context length into a std::set and runs them in the
+    set's (lexicographic) order (qualla nsp-model.cpp); onnxruntime-qnn names graphs after a hash,
+    so part 2 can sort before part 1."""
+    tag = f"part{part:03d}_of_{num_parts:03d}_"
+    if len(name) <= len(tag):
+        raise CompileError(f"QNN graph name {name!r} is too short to carry the part order")
+    return tag + name[len(tag) :]
+
+
+def rename_graph(path: Path, name: str, part: int, num_parts: int) -> str:
+    """Rewrite the graph's name inside the context binary (same length, every occurrence); returns it."""
+    new = sortable_graph_name(name, part, num_parts)
+    data = path.read_bytes()
+    if name.encode() not in data:
+        raise CompileError(f"{path.name}: the graph name {name} is not in the binary")
+    tmp = path.with_name(f".{path.name}.renamed")
+    tmp.write_bytes(data.replace(name.encode(), new.encode()))
+    os.replace(tmp, path)  # a new inode: a hard link elsewhere keeps the old bytes
+    return new
+
+
 # ---- checks on a finished binary ----
 def check_binary(path: Path, soc: Soc, io_names: list[str]) -> dict[str, Any]:
     """The compiler wrote the SoC we asked for, and the graph I/O tensors are in the binary."""
@@ -517,6 +541,9 @@ def run_compile(
         shutil.rmtree(prepared_dir)
         for b, fig in zip(layout, figures, strict=True):
             path = run.dir / b.file
+            for gf in fig["graphs"]:
+                if "qnn_graph_name" in gf:  # AI Hub does not report its graph names
+                    gf["qnn_graph_name"] = rename_graph(path, gf["qnn_graph_name"], b.part, cfg.num_shards)
             io_names = [t for g in b.graphs for d in ("inputs", "outputs") for t in encodings[g][d]]
             fig.update(check_binary(path, soc, io_names))
             fig.update(

@@ -111,6 +111,16 @@ class LutEmbedder:
         return emb, ple
 
 
+def inverse_frequencies(theta: float, dim: int, partial_rotary_factor: float | None = None) -> np.ndarray:
+    """The dim/2 RoPE frequencies of a head of `dim`, float32 as transformers computes them; with
+    "proportional" scaling (a partial_rotary_factor) the frequencies past that fraction are zero."""
+    exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    inv = (np.float32(1.0) / np.power(np.float32(theta), exponent)).astype(np.float32)
+    if partial_rotary_factor is not None:
+        inv[int(partial_rotary_factor * dim // 2) :] = 0.0
+    return inv
+
+
 def rope_tables(geo: Geometry, positions: np.ndarray) -> dict[str, np.ndarray]:
     """cos/sin for the given absolute positions, shaped (1,1,T,D/2), for both attention kinds, in
     float32 as transformers computes them.
@@ -123,10 +133,10 @@ def rope_tables(geo: Geometry, positions: np.ndarray) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for prefix, kind, dim in (("", FULL, cfg["global_head_dim"]), ("swa_", SLIDING, cfg["head_dim"])):
         params = cfg["rope_parameters"][kind]
-        exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-        inv = (np.float32(1.0) / np.power(np.float32(params["rope_theta"]), exponent)).astype(np.float32)
-        if params.get("rope_type") == "proportional":
-            inv[int(params.get("partial_rotary_factor", 1.0) * dim // 2) :] = 0.0
+        partial = (
+            params.get("partial_rotary_factor", 1.0) if params.get("rope_type") == "proportional" else None
+        )
+        inv = inverse_frequencies(params["rope_theta"], dim, partial)
         freqs = positions.astype(np.float32)[:, None] * inv[None, :]
         out[f"{prefix}position_ids_cos"] = np.cos(freqs)[None, None]
         out[f"{prefix}position_ids_sin"] = np.sin(freqs)[None, None]

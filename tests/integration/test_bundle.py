@@ -79,9 +79,9 @@ def test_bundle_holds_what_genie_needs_and_a_true_manifest(sm8450):
     manifest = json.loads((bundle / "manifest.json").read_text())
     names = {f["path"] for f in manifest["files"]}
     assert names == {
-        "prefill_ar16_part1_of_2.bin",
+        "prefill_ar8_part1_of_2.bin",
         "decode_ar1_part1_of_2.bin",
-        "prefill_ar16_part2_of_2.bin",
+        "prefill_ar8_part2_of_2.bin",
         "decode_ar1_part2_of_2.bin",
         "embedding_ufixed16.bin",
         "per_layer_embedding_ufixed8.bin",
@@ -154,7 +154,7 @@ def test_genie_byte_copies_both_luts_into_inputs_of_their_exact_encoding(sm8450)
     io = _graph_io(work)
     for key, tensor in (("embedding", "inputs_embeds"), ("perlayer-embedding", "per_layer_inputs")):
         qp = genie[key]["quant-param"]
-        for graph in ("prefill_ar16_part1_of_2", "decode_ar1_part1_of_2"):
+        for graph in ("prefill_ar8_part1_of_2", "decode_ar1_part1_of_2"):
             enc = io[graph]["inputs"][tensor]
             # Genie compares the JSON scale with the binary's float32 scale: equal to the bit.
             assert (qp["scale"], qp["offset"]) == (enc["scale"], enc["offset"])
@@ -170,7 +170,7 @@ def test_lut_inputs_genie_cannot_feed_are_refused_and_requantized_ones_allowed(s
     genie = json.loads((bundle / "genie_config.json").read_text())
     files = {p.name: p for p in bundle.iterdir()}
     io = _graph_io(work)
-    graphs = ("prefill_ar16_part1_of_2", "decode_ar1_part1_of_2")
+    graphs = ("prefill_ar8_part1_of_2", "decode_ar1_part1_of_2")
 
     def with_input(tensor: str, **enc) -> dict:
         changed = json.loads(json.dumps(io))

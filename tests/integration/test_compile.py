@@ -35,9 +35,9 @@ def test_tiny_model_compiles_to_v69_binaries(sm8450):
     assert fig["backend"]["name"] == "local" and fig["backend"]["qairt_version"].startswith("2.51.")
     # v69: no weight sharing, so prefill and decode of each part are separate binaries, part 1 first.
     assert [b["file"] for b in fig["binaries"]] == [
-        "prefill_ar16_part1_of_2.bin",
+        "prefill_ar8_part1_of_2.bin",
         "decode_ar1_part1_of_2.bin",
-        "prefill_ar16_part2_of_2.bin",
+        "prefill_ar8_part2_of_2.bin",
         "decode_ar1_part2_of_2.bin",
     ]
     for b in fig["binaries"]:
@@ -45,7 +45,11 @@ def test_tiny_model_compiles_to_v69_binaries(sm8450):
         assert path.stat().st_size == b["bytes"] > 100_000
         assert (b["soc_type"], b["arch"], b["weight_shared"]) == ("SM8450", 69, False)
         assert b"soc_type=SM8450;arch=69" in path.read_bytes()
-        assert len(b["graphs"]) == 1 and b["graphs"][0]["qnn_graph_name"].startswith("QNNExecutionProvider_")
+        # Renamed inside the binary so that Genie, which runs a variant's graphs in name order, runs
+        # part 1 first.
+        name = b["graphs"][0]["qnn_graph_name"]
+        assert len(b["graphs"]) == 1 and name.startswith(f"part{b['part']:03d}_of_002_")
+        assert name.encode() in path.read_bytes()
         assert b["peak_rss_bytes"] > 0
     assert sorted(p.name for p in (work / "compiled").iterdir()) == sorted(
         [b["file"] for b in fig["binaries"]] + ["report.json"]
@@ -68,21 +72,21 @@ def test_binary_io_is_quantized_with_the_pinned_encodings(sm8450):
     # Both LUT-fed inputs read the LUT's bytes as they are (the float16 PLE policy's per-layer input
     # too): the same datatype, offset and scale, to the bit, in prefill and decode.
     for tensor, key in (("inputs_embeds", "embedding"), ("per_layer_inputs", "per_layer_embedding")):
-        for graph in ("prefill_ar16_part1_of_2", "decode_ar1_part1_of_2"):
+        for graph in ("prefill_ar8_part1_of_2", "decode_ar1_part1_of_2"):
             enc = graphs[graph]["inputs"][tensor]
             assert enc["dtype"] == f"uint{luts[key]['bits']}"
             assert (enc["scale"], enc["offset"]) == (luts[key]["scale"], luts[key]["offset"])
             assert np.float32(enc["scale"]) == enc["scale"]  # a float32, as the binary holds it
     # Part 1's hidden-state output is part 2's input, byte for byte, in prefill and decode.
     (hidden,) = [
-        t for t in graphs["prefill_ar16_part1_of_2"]["outputs"] if t.startswith("hidden_states_layer")
+        t for t in graphs["prefill_ar8_part1_of_2"]["outputs"] if t.startswith("hidden_states_layer")
     ]
     encs = [
         {k: v for k, v in graphs[g][d][hidden].items() if k != "shape"}
         for g, d in [
-            ("prefill_ar16_part1_of_2", "outputs"),
+            ("prefill_ar8_part1_of_2", "outputs"),
             ("decode_ar1_part1_of_2", "outputs"),
-            ("prefill_ar16_part2_of_2", "inputs"),
+            ("prefill_ar8_part2_of_2", "inputs"),
             ("decode_ar1_part2_of_2", "inputs"),
         ]
     ]
@@ -98,7 +102,7 @@ def test_v73_soc_gets_one_weight_shared_binary_per_part(quantized_tiny, tmp_path
     for b in fig["binaries"]:
         assert (b["soc_type"], b["arch"], b["weight_shared"]) == ("SM8550", 73, True)
         assert [g["name"] for g in b["graphs"]] == [
-            f"prefill_ar16_part{b['part']}_of_2",
+            f"prefill_ar8_part{b['part']}_of_2",
             f"decode_ar1_part{b['part']}_of_2",
         ]
         kv = [e for g in b["graphs"] for t, e in g["io"]["inputs"].items() if "_key_" in t]
@@ -193,11 +197,12 @@ def test_a_node_the_htp_cannot_take_fails_the_compile_by_name(tmp_path):
 
 def test_layout_follows_the_soc_table():
     v69 = binary_layout(load_config("tiny"))
-    assert [b.graphs for b in v69][:2] == [("prefill_ar16_part1_of_2",), ("decode_ar1_part1_of_2",)]
+    assert [b.graphs for b in v69][:2] == [("prefill_ar8_part1_of_2",), ("decode_ar1_part1_of_2",)]
     v75 = binary_layout(load_config("tiny", {"soc": "SM8650"}))
     assert [(b.file, b.weight_shared) for b in v75] == [("part1_of_2.bin", True), ("part2_of_2.bin", True)]
-    one_size = binary_layout(dataclasses.replace(load_config("tiny"), decode_ar=16))
-    assert [b.file for b in one_size] == ["prefill_ar16_part1_of_2.bin", "prefill_ar16_part2_of_2.bin"]
+    tiny = load_config("tiny")
+    one_size = binary_layout(dataclasses.replace(tiny, decode_ar=tiny.prefill_ar))
+    assert [b.file for b in one_size] == ["prefill_ar8_part1_of_2.bin", "prefill_ar8_part2_of_2.bin"]
 
 
 def test_binaries_are_byte_identical_across_work_folders(sm8450, tmp_path):

@@ -195,7 +195,7 @@ def test_parquet_calibration_and_the_entropy_method(exported, tmp_path):
     cal = report["figures"]["calibration"]
     assert cal["files"] == [str(parquet)] and cal["method"] == "entropy" and cal["stride"] == 4
     for g in report["figures"]["graphs"]:
-        calls = 2 * 128 // 16 if g["name"].startswith("prefill") else 2 * 64
+        calls = 2 * 128 // load_config("tiny").prefill_ar if g["name"].startswith("prefill") else 2 * 64
         assert g["calibration_calls"] == calls and g["calibration_stride"] == 4
     # Entropy clips outliers: a bit below MinMax on this model, still close to the float chain.
     assert report["figures"]["quality"]["float16"]["top1_agreement"] > 0.85

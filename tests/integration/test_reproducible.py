@@ -49,9 +49,9 @@ def test_bench_report_reads_every_stage_and_graph(quantized_tiny, tmp_path):
     result = collect(cfg, work, plan=None)
     assert all(result["stages"][s] for s in ("download", "export", "quantize", "compile"))
     assert set(result["graphs"]) == {
-        "prefill_ar16_part1_of_2",
+        "prefill_ar8_part1_of_2",
         "decode_ar1_part1_of_2",
-        "prefill_ar16_part2_of_2",
+        "prefill_ar8_part2_of_2",
         "decode_ar1_part2_of_2",
     }
     assert all(g["compile_s"] is not None and g["binary_bytes"] > 0 for g in result["graphs"].values())
@@ -69,4 +69,4 @@ def test_bench_report_reads_every_stage_and_graph(quantized_tiny, tmp_path):
         != (20, 4096)
     )
     md = to_markdown(result, "make bench")
-    assert "| compile |" in md and "| prefill_ar16_part1_of_2 |" in md and "`make bench`" in md
+    assert "| compile |" in md and "| prefill_ar8_part1_of_2 |" in md and "`make bench`" in md

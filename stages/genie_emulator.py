@@ -1,0 +1,727 @@
+"""A host emulator of Genie driving a bundle's own context binaries, built from Genie's public source.
+
+The emulator reads the bundle (genie_config.json, htp_backend_ext_config.json, the tokenizer, the
+LUT files, the ctx-bins) and does what Genie's `qualla` engine does with them, keeping every tensor
+in the binaries' raw quantized form. Two engines run the graphs:
+
+- `htp`: the ctx-bins themselves, through onnxruntime-qnn's HTP backend, which emulates the target
+  Hexagon (htp_arch and soc_model from htp_backend_ext_config.json) on x86: each binary is wrapped in
+  an EPContext model (FACTS.md s.4).
+- `cpu`: each binary's compiler input (the quantized QDQ graph with its boundary Q/DQ folded, exactly
+  what the compile stage handed to the compiler) on onnxruntime's CPU EP; faster, for sizes where
+  the emulation is too slow. It needs the work folder's quantized/ graphs.
+
+Genie behaviours emulated, and the public file each follows (GENIE_BEHAVIOURS lists them for reports):
+- LUT -> graph input: byte copy when datatype, scale and offset are equal; fixed -> fixed
+  requantization otherwise, with Genie's arithmetic (q_in = (T)(s_l/s_i * q_l + s_l/s_i * o_l - o_i),
+  a C cast: truncation, no clamp); float32 -> float32 copy; nothing else (qualla/dialog.cpp:
+  calculateRequantEncodings, m_t2eCallbacks, requantEmbedding; stages/encoding.py states the table).
+- Splits: graphs are bucketed by (AR, CL) and ordered by graph name (a std::set), tensors are wired by
+  name through one shared buffer per name, so a part's output reaches the next part as raw bytes
+  (qualla/engines/qnn-htp/nsp-model.cpp, initializeModel; QnnApi.cpp).
+- Prefill chunking: the smallest AR >= the number of inputs, else the largest; chunks of that AR, the
+  last one padded; every row past n_process gets the EOS embedding (kvmanager.cpp
+  prepareInferenceStrategy; nsp-model.cpp setupInputEmbeddings).
+- Attention masks of quantized type: raw all-ones (0xffff / 0xff) attends, 0 masks; float masks 0 /
+  -1000. The default group's mask attends the valid cache slots and the new tokens causally; a
+  sliding-window group's mask gathers the global mask's columns for the slots it holds and excludes
+  positions at window distance or more (nsp-model.cpp setupAttentionMask;
+  KVCache/context-manager.cpp SlidingWindow::translateAttentionMask).
+- KV caches (SmartMask): quantized caches are cleared to 1 << (bits - 1) (0x80 / 0x8000), whatever
+  the tensor's offset; after a step the n_process new entries of every `_out` tensor are copied into
+  the `_in` buffer: the default group at n_valid.. (error when full), a sliding-window group into
+  free slots, then over the oldest (its recency queue) (KVCache/kvmanager.cpp CacheGroup,
+  KVCache/smart-mask.cpp updateKV, KVCache/context-manager.cpp ContextManager/SlidingWindow
+  processUpdate).
+- Inputs nobody writes are cleared to the tensor's zero (-offset) (nsp-model.cpp clearBuffer,
+  initializeUnconnectedInputs).
+- Decoding: the prompt is prefilled, a token is picked from the last row of the quantized logits, fed
+  back one per step, and generation stops on any id of context.eos-token or a full context
+  (qualla/dialogs/basic.cpp).
+
+Assumptions (Genie's Gemma 4 support, Genie >= 2.48, is newer than the public source):
+- `per_layer_inputs` is fed from `perlayer-embedding` by the same T2E rule as `inputs_embeds`.
+- Both RoPE tables follow `positional-encoding` (the entry without a prefix feeds `position_ids_*`, the
+  `swa_` entry `swa_position_ids_*`); rope-dim is the table width; "proportional" zeroes the
+  frequencies past partial-rotary-factor; float cos/sin are quantized (round to nearest) into each
+  input's encoding; padded rows continue the positions.
+- Greedy picking takes the first index of the largest raw logit.
+- A graph's tensor table (names, shapes, encodings, QNN graph name) is read from the compile stage's
+  record of that very file (compiled/report.json, matched by sha256), where Genie reads it from the
+  binary through the QNN system API.
+- The chat template is rendered on the host and its ids are fed as they are (no second BOS).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stages.encoding import COPY, Encoding, EncodingError, feed, feed_mode
+
+ENGINES = ("htp", "cpu")
+GENIE_SOURCE = "Genie public source, qualla/"
+GENIE_BEHAVIOURS = [
+    {
+        "behaviour": "LUT rows into inputs_embeds/per_layer_inputs: copy, fixed->fixed requantization, "
+        "refusal",
+        "source": "qualla/dialog.cpp (calculateRequantEncodings, m_t2eCallbacks, requantEmbedding)",
+    },
+    {
+        "behaviour": "splits bucketed by (AR, CL), ordered by graph name, wired by tensor name as raw bytes",
+        "source": "qualla/engines/qnn-htp/nsp-model.cpp (initializeModel), QnnApi.cpp",
+    },
+    {
+        "behaviour": "prefill: smallest AR >= inputs else largest, chunked, padded rows get the EOS "
+        "embedding",
+        "source": "qualla/engines/qnn-htp/KVCache/kvmanager.cpp (prepareInferenceStrategy), "
+        "nsp-model.cpp (setupInputEmbeddings)",
+    },
+    {
+        "behaviour": "quantized masks: raw all-ones attends, 0 masks; sliding-window mask gathered from the "
+        "global mask with the window exclusion zone",
+        "source": "qualla/engines/qnn-htp/nsp-model.cpp (setupAttentionMask), "
+        "KVCache/context-manager.cpp (SlidingWindow::translateAttentionMask)",
+    },
+    {
+        "behaviour": "KV caches cleared to 1<<(bits-1); new entries copied after each step: default group "
+        "sequentially, sliding-window group into free slots then over the oldest",
+        "source": "qualla/engines/qnn-htp/KVCache/kvmanager.cpp, smart-mask.cpp (updateKV), "
+        "context-manager.cpp (ContextManager/SlidingWindow::processUpdate)",
+    },
+    {
+        "behaviour": "inputs no split writes are cleared to the tensor's zero",
+        "source": "qualla/engines/qnn-htp/nsp-model.cpp (clearBuffer, initializeUnconnectedInputs)",
+    },
+    {
+        "behaviour": "prefill, pick from the last logits row, decode one token a step, stop on the "
+        "eos-token list",
+        "source": "qualla/dialogs/basic.cpp",
+    },
+    {
+        "behaviour": "ASSUMED: per_layer_inputs fed like inputs_embeds; both RoPE tables from "
+        "positional-encoding, quantized into the inputs' encodings",
+        "source": "not in the public source (Gemma 4 support is newer); see stages/genie_emulator.py",
+    },
+]
+INPUTS_EMBEDS_KEY = {"inputs_embeds": "embedding", "per_layer_inputs": "perlayer-embedding"}
+FLOAT_MASKED = -1000.0
+QNN_DATATYPES = {"uint8": "ufixed8", "uint16": "ufixed16", "int8": "sfixed8", "int16": "sfixed16"}
+
+
+class EmulatorError(ValueError):
+    """Genie could not run the bundle, or would run it wrongly without an error; the message says why."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    shape: tuple[int, ...]
+    encoding: Encoding
+
+    @staticmethod
+    def from_record(name: str, rec: dict[str, Any]) -> Tensor:
+        dtype = rec["dtype"]
+        if "scale" in rec:
+            enc = Encoding(QNN_DATATYPES[dtype], float(rec["scale"]), int(rec["offset"]))
+        else:
+            enc = Encoding(dtype)
+        return Tensor(name, tuple(rec["shape"]), enc)
+
+    def cleared(self) -> np.ndarray:
+        """Genie's clearBuffer: every value the encoding's zero."""
+        zero = -self.encoding.offset if self.encoding.is_fixed else 0
+        return np.full(self.shape, zero, dtype=self.encoding.numpy_dtype)
+
+
+@dataclass
+class Graph:
+    """One QNN graph of one ctx-bin."""
+
+    file: str
+    qnn_name: str
+    name: str  # the pipeline's graph name (quantized/<name>.qdq.onnx is its compiler input)
+    inputs: dict[str, Tensor]
+    outputs: dict[str, Tensor]
+
+    @property
+    def ar(self) -> int:
+        return self.inputs["attention_mask"].shape[-2] if "attention_mask" in self.inputs else -1
+
+
+def read_graphs(bundle_dir: Path, compiled_report: dict[str, Any]) -> list[Graph]:
+    """The ctx-bins' graphs in genie_config.json order, with their tensor tables."""
+    from stages.bundle import GENIE_CONFIG
+    from stages.report import sha256_file
+
+    cfg = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
+    records = {b["file"]: b for b in compiled_report["figures"]["binaries"]}
+    graphs = []
+    for file in cfg["engine"]["model"]["binary"]["ctx-bins"]:
+        path = bundle_dir / file
+        rec = records.get(file)
+        if rec is None or not path.is_file():
+            raise EmulatorError(f"ctx-bin {file}: missing from the bundle or unknown to compiled/report.json")
+        if sha256_file(path) != rec["sha256"]:
+            raise EmulatorError(f"{path}: not the binary compiled/report.json describes (sha256 differs)")
+        for g in rec["graphs"]:
+            io = g["io"]
+            graphs.append(
+                Graph(
+                    file=file,
+                    qnn_name=g["qnn_graph_name"],
+                    name=g["name"],
+                    inputs={n: Tensor.from_record(n, r) for n, r in io["inputs"].items()},
+                    outputs={n: Tensor.from_record(n, r) for n, r in io["outputs"].items()},
+                )
+            )
+    return graphs
+
+
+# ---- engines ----
+class HtpEngine:
+    """The ctx-bins on onnxruntime-qnn's HTP backend (x86 emulation of the target's htp_arch)."""
+
+    name = "htp"
+
+    def __init__(self, bundle_dir: Path, soc_model: int, htp_arch: int):
+        self.bundle_dir = bundle_dir.resolve()
+        self.options = {"soc_model": str(soc_model), "htp_arch": str(htp_arch)}
+        self._tmp = tempfile.TemporaryDirectory(prefix="genie-emulator-")
+        self._sessions: dict[str, Any] = {}
+
+    def _wrapper(self, graph: Graph) -> Path:
+        """An EPContext model around the graph's ctx-bin (embed_mode 0: the file is referenced)."""
+        import onnx
+        from onnx import helper
+
+        from stages.encoding import ONNX_ELEM_TYPE
+
+        def value(t: Tensor):
+            return helper.make_tensor_value_info(t.name, ONNX_ELEM_TYPE[t.encoding.datatype], list(t.shape))
+
+        node = helper.make_node(
+            "EPContext",
+            list(graph.inputs),
+            list(graph.outputs),
+            name=graph.qnn_name,
+            domain="com.microsoft",
+            embed_mode=0,
+            ep_cache_context=graph.file,
+            source="QNNExecutionProvider",
+            partition_name=graph.qnn_name,
+        )
+        g = helper.make_graph(
+            [node],
+            graph.name,
+            [value(t) for t in graph.inputs.values()],
+            [value(t) for t in graph.outputs.values()],
+        )
+        model = helper.make_model(
+            g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+        )
+        model.ir_version = 10  # onnxruntime 1.31 reads IR <= 13
+        path = Path(self._tmp.name) / f"{graph.name}_ctx.onnx"
+        onnx.save(model, str(path))
+        # onnxruntime refuses an ep_cache_context outside the wrapper's folder; a link keeps the
+        # bundle untouched.
+        link = Path(self._tmp.name) / graph.file
+        if not link.exists():
+            link.symlink_to(self.bundle_dir / graph.file)
+        return path
+
+    def _session(self, graph: Graph) -> Any:
+        import onnxruntime as ort
+        import onnxruntime_qnn
+
+        if graph.name not in self._sessions:
+            ep = onnxruntime_qnn.get_ep_name()
+            if ep not in {d.ep_name for d in ort.get_ep_devices()}:
+                ort.register_execution_provider_library(ep, onnxruntime_qnn.get_library_path())
+            devices = [d for d in ort.get_ep_devices() if d.ep_name == ep]
+            so = ort.SessionOptions()
+            so.log_severity_level = 3
+            so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+            so.add_provider_for_devices(
+                devices,
+                {
+                    "backend_path": onnxruntime_qnn.get_qnn_htp_path(),
+                    **self.options,
+                    "offload_graph_io_quantization": "0",
+                },
+            )
+            try:
+                self._sessions[graph.name] = ort.InferenceSession(str(self._wrapper(graph)), so)
+            except Exception as e:  # onnxruntime raises its own exception classes
+                raise EmulatorError(f"{graph.file}: the HTP emulation could not load it: {e}") from None
+        return self._sessions[graph.name]
+
+    def run(self, graph: Graph, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = list(graph.outputs)
+        return dict(zip(names, self._session(graph).run(names, feeds), strict=True))
+
+
+class CpuEngine:
+    """Each binary's compiler input (quantized graph, boundary Q/DQ folded) on the CPU EP."""
+
+    name = "cpu"
+
+    def __init__(self, quantized_dir: Path):
+        self.quantized_dir = quantized_dir
+        self._sessions: dict[str, Any] = {}
+
+    def _session(self, graph: Graph) -> Any:
+        import onnx
+        import onnxruntime as ort
+
+        from stages.compile import prepare_io
+        from stages.graphs import qdq_file_name
+
+        if graph.name not in self._sessions:
+            path = self.quantized_dir / qdq_file_name(graph.name)
+            if not path.is_file():
+                raise EmulatorError(f"the cpu engine needs {path}; run `make quantize` or use the htp engine")
+            model = onnx.load(str(path))
+            prepare_io(model)
+            self._sessions[graph.name] = ort.InferenceSession(
+                model.SerializeToString(), providers=["CPUExecutionProvider"]
+            )
+        return self._sessions[graph.name]
+
+    def run(self, graph: Graph, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        names = list(graph.outputs)
+        return dict(zip(names, self._session(graph).run(names, feeds), strict=True))
+
+
+def pick_ar(ars: list[int], n_inputs: int) -> int:
+    """kvmanager.cpp's pick: the smallest AR >= n, else the largest AR below it."""
+    above = [a for a in ars if a >= n_inputs]
+    return min(above) if above else max(ars)
+
+
+# ---- RoPE ----
+def rope_table(entry: dict[str, Any], positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin (T, rope-dim) for one `positional-encoding` entry."""
+    from stages.runner import inverse_frequencies
+
+    width = int(entry["rope-dim"])
+    scaling = entry.get("rope-scaling") or {}
+    partial = scaling.get("partial-rotary-factor") if scaling.get("rope-type") == "proportional" else None
+    inv = inverse_frequencies(float(entry["rope-theta"]), 2 * width, partial)
+    freqs = positions.astype(np.float32)[:, None] * inv[None, :]
+    return np.cos(freqs), np.sin(freqs)
+
+
+# ---- cache groups ----
+@dataclass
+class CacheGroup:
+    """One `cache-groups` entry and Genie's state for it (KVCache/kvmanager.cpp CacheGroup)."""
+
+    prefix: str
+    mask_name: str
+    window: int | None  # sliding-window span, None without longcontext
+    kv_dim: int
+    buffers: dict[str, np.ndarray] = field(default_factory=dict)  # `<name>_in` -> raw cache, max slots
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    n_valid: int = 0
+    slot_position: list[int] = field(default_factory=list)
+    activated: bool = False
+    recent: deque = field(default_factory=deque)
+
+    def matches(self, name: str) -> bool:
+        return re.match(rf"^{re.escape(self.prefix)}(?:key|value)_.*_in$", name) is not None
+
+    def clear(self) -> None:
+        for name, t in self.tensors.items():
+            bits = t.encoding.bits
+            value = 1 << (bits - 1) if t.encoding.is_fixed else 0
+            self.buffers[name] = np.full(self.buffers[name].shape, value, dtype=t.encoding.numpy_dtype)
+        self.n_valid, self.activated = 0, False
+        self.slot_position = [-1] * self.max_slots
+        self.recent = deque()
+
+    @property
+    def max_slots(self) -> int:
+        return max((b.shape[-1] if "_key_" in n else b.shape[-2]) for n, b in self.buffers.items())
+
+    def budget(self, splits: list[Graph]) -> int:
+        """Slots of this group's past in one variant's graphs (ctx - AR for the group)."""
+        name, t = next((n, t) for g in splits for n, t in g.inputs.items() if self.matches(n))
+        return t.shape[-1] if "_key_" in name else t.shape[-2]
+
+    def destinations(self, n_update: int, budget: int) -> list[int]:
+        """Where the n_update new entries go (ContextManager / SlidingWindow::processUpdate)."""
+        if self.window is None:
+            if n_update > budget - self.n_valid:
+                raise EmulatorError(
+                    f"cache group {self.prefix!r}: {self.n_valid} + {n_update} entries exceed its {budget} "
+                    "slots and it has no longcontext: Genie stops with 'Context Size was exceeded'"
+                )
+            dst = list(range(self.n_valid, self.n_valid + n_update))
+            self.n_valid += n_update
+            return dst
+        n_empty = min(n_update, budget - self.n_valid)
+        n_evict = n_update - n_empty
+        if not self.activated and n_evict > 0:
+            self.activated = True
+            self.recent = deque(range(self.n_valid))
+        if n_evict > len(self.recent):
+            raise EmulatorError(
+                f"cache group {self.prefix!r}: a step of {n_update} tokens overflows its {budget}-slot "
+                f"window by more than the {len(self.recent)} entries it can evict (Genie's "
+                "SlidingWindow::processUpdate "
+                "pops an empty recency queue): use a prefill AR no larger than the window"
+            )
+        dst = list(range(self.n_valid, self.n_valid + n_empty))
+        dst += [self.recent.popleft() for _ in range(n_evict)]
+        if self.activated:
+            self.recent.extend(dst)
+        self.n_valid = min(budget, self.n_valid + n_update)
+        return dst
+
+    def accept(self, outputs: dict[str, np.ndarray], n: int, budget: int, positions: np.ndarray) -> None:
+        """Copy the first n entries of every `_out` into the `_in` buffers (SmartMask::updateKV)."""
+        dst = self.destinations(n, budget)
+        for name, buf in self.buffers.items():
+            out = outputs.get(name[: -len("_in")] + "_out")
+            if out is None:
+                continue
+            for j, d in enumerate(dst):  # later writes win, as memcpy in order does
+                if "_key_" in name:
+                    buf[..., d] = out[..., j]
+                else:
+                    buf[..., d, :] = out[..., j, :]
+        for j, d in enumerate(dst):
+            self.slot_position[d] = int(positions[j])
+
+
+# ---- the emulator ----
+@dataclass
+class Emulation:
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)  # dequantized rows the tokens were picked from
+    steps: list[dict[str, int]] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stopped_by: str = "max_new_tokens"
+
+
+class GenieEmulator:
+    """Genie's dialog over a bundle: `generate` runs a prompt, `prefill`/`step` expose the logits."""
+
+    def __init__(
+        self,
+        bundle_dir: Path,
+        compiled_report: dict[str, Any],
+        engine: str = "htp",
+        quantized_dir: Path | None = None,
+    ):
+        from stages.bundle import GENIE_CONFIG
+
+        if engine not in ENGINES:
+            raise EmulatorError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
+        self.bundle_dir = bundle_dir
+        self.config = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
+        self.graphs = read_graphs(bundle_dir, compiled_report)
+        ext = json.loads((bundle_dir / self.config["engine"]["backend"]["extensions"]).read_text())
+        device = ext["devices"][0]
+        if engine == "htp":
+            self.engine: HtpEngine | CpuEngine = HtpEngine(
+                bundle_dir, int(device["soc_model"]), int(str(device["dsp_arch"]).lstrip("v"))
+            )
+        else:
+            if quantized_dir is None:
+                raise EmulatorError("the cpu engine needs the work folder's quantized/ graphs")
+            self.engine = CpuEngine(quantized_dir)
+        self.variants = self._variants()
+        self.groups = self._cache_groups()
+        self.luts = self._luts()
+        self.rope = self._rope_entries()
+        self.context = int(self.config["context"]["size"])
+        self.eos = [int(t) for t in np.atleast_1d(self.config["context"]["eos-token"])]
+        self.buffers: dict[str, np.ndarray] = {}
+        self.reset()
+
+    # -- set-up: what Genie derives from the config and the binaries --
+    def _variants(self) -> dict[int, list[Graph]]:
+        """Splits per AR, ordered as Genie orders them: by QNN graph name."""
+        by_ar: dict[int, list[Graph]] = {}
+        for g in self.graphs:
+            if g.ar < 0:
+                raise EmulatorError(f"{g.file}: graph {g.qnn_name} has no attention_mask input")
+            by_ar.setdefault(g.ar, []).append(g)
+        writers: dict[str, Tensor] = {}
+        for ar, splits in by_ar.items():
+            splits.sort(key=lambda g: g.qnn_name)
+            written: set[str] = set()
+            for k, g in enumerate(splits):
+                for name, t in g.inputs.items():
+                    later = [s for s in splits[k + 1 :] if name in s.outputs]
+                    if later and name not in written:
+                        raise EmulatorError(
+                            f"AR-{ar}: Genie orders splits by graph name "
+                            f"({', '.join(s.file for s in splits)}), so {g.file} runs before "
+                            f"{later[0].file}, which writes its input {name}; name the "
+                            "graphs so that they sort in part order"
+                        )
+                    w = writers.get(name)
+                    if name in written and w is not None and w.encoding != t.encoding:
+                        raise EmulatorError(
+                            f"{name} leaves one split as {w.encoding.describe()} and enters {g.file} as "
+                            f"{t.encoding.describe()}: Genie hands over the raw bytes, so {g.file} "
+                            "misreads it"
+                        )
+                written |= set(g.outputs)
+                writers.update(g.outputs)
+            if "logits" not in splits[-1].outputs:
+                raise EmulatorError(f"AR-{ar}: the last split ({splits[-1].file}) has no logits output")
+        return dict(sorted(by_ar.items()))
+
+    def _cache_groups(self) -> list[CacheGroup]:
+        groups = []
+        for entry in self.config["engine"]["cache-groups"]:
+            lc = entry.get("longcontext") or {}
+            window = None
+            if lc:
+                if lc.get("type") != "sliding-window":
+                    raise EmulatorError(
+                        f"cache group {entry['prefix']!r}: longcontext {lc.get('type')!r} is not emulated"
+                    )
+                window = int(lc["sliding-window"]["window-size"])
+            groups.append(
+                CacheGroup(entry["prefix"], entry["attention-mask-tensor-name"], window, int(entry["kv-dim"]))
+            )
+        kv_inputs = {n for g in self.graphs for n in g.inputs if re.search(r"_(?:key|value)_\d+_h\d+_in$", n)}
+        for group in groups:
+            for g in self.graphs:
+                for name, t in g.inputs.items():
+                    if not group.matches(name):
+                        continue
+                    slots = t.shape[-1] if "_key_" in name else t.shape[-2]
+                    dim = t.shape[-2] if "_key_" in name else t.shape[-1]
+                    if dim != group.kv_dim:
+                        raise EmulatorError(
+                            f"cache group {group.prefix!r}: kv-dim {group.kv_dim} in genie_config.json, but "
+                            f"{name} "
+                            f"in {g.file} holds {dim}-wide entries"
+                        )
+                    old = group.buffers.get(name)
+                    if old is None or (old.shape[-1] if "_key_" in name else old.shape[-2]) < slots:
+                        group.buffers[name] = np.zeros(t.shape, dtype=t.encoding.numpy_dtype)[0, 0]
+                        group.tensors[name] = t
+            if not group.buffers:
+                raise EmulatorError(
+                    f"cache group prefix {group.prefix!r} matches no KV cache input of the binaries "
+                    f"(they have {', '.join(sorted({n.split('_')[0] + '_' for n in kv_inputs}))})"
+                )
+            if not any(group.mask_name in g.inputs for g in self.graphs):
+                raise EmulatorError(f"cache group {group.prefix!r}: no binary has its mask {group.mask_name}")
+        orphans = sorted(n for n in kv_inputs if not any(gr.matches(n) for gr in groups))
+        if orphans:
+            raise EmulatorError(
+                f"KV inputs {', '.join(orphans[:4])} belong to no cache group: Genie would feed them zeros"
+            )
+        return groups
+
+    def _luts(self) -> dict[str, tuple[np.ndarray, Encoding, Encoding]]:
+        """graph input -> (LUT rows, LUT encoding, input encoding), refused where Genie cannot feed."""
+        first = {n: t for g in self.graphs for n, t in g.inputs.items()}
+        luts = {}
+        for name, key in INPUTS_EMBEDS_KEY.items():
+            section = self.config.get(key)
+            if name not in first:
+                if section is not None:
+                    raise EmulatorError(f"genie_config.json has {key!r} but no binary takes {name}")
+                continue
+            if section is None:
+                raise EmulatorError(f"the binaries take {name}, but genie_config.json has no {key!r} LUT")
+            q = section.get("quant-param", {})
+            lut = Encoding(section["datatype"], float(q.get("scale", 1.0)), int(q.get("offset", 0)))
+            target = first[name].encoding
+            if feed_mode(lut, target) is None:
+                raise EmulatorError(
+                    f"{name}: Genie cannot feed a {target.describe()} input from the {lut.describe()} LUT "
+                    f"{section['lut-path']} (dialog.cpp m_t2eCallbacks has no such path)"
+                )
+            size = int(section["size"])
+            # Memory-mapped: E2B's per-layer LUT is 2.35 GB and a prompt reads a few rows of it.
+            rows = np.memmap(self.bundle_dir / section["lut-path"], dtype=lut.numpy_dtype, mode="r")
+            if rows.size % size or size != int(np.prod(first[name].shape[2:])):
+                raise EmulatorError(
+                    f"{section['lut-path']}: {rows.size} values are not rows of {key}.size {size} "
+                    f"(the input {name} takes {int(np.prod(first[name].shape[2:]))} per token)"
+                )
+            luts[name] = (rows.reshape(-1, size), lut, target)
+        if "inputs_embeds" not in luts:
+            raise EmulatorError("the binaries take no inputs_embeds; only LUT-fed models are emulated")
+        return luts
+
+    def _rope_entries(self) -> dict[str, dict[str, Any]]:
+        """Tensor-name prefix -> positional-encoding entry."""
+        entries = self.config["engine"]["model"].get("positional-encoding", [])
+        entries = entries if isinstance(entries, list) else [entries]
+        return {e.get("prefix", ""): e for e in entries if e.get("type", "rope") == "rope"}
+
+    # -- state --
+    def reset(self) -> None:
+        self.n_past = 0
+        self.steps: list[dict[str, int]] = []
+        for group in self.groups:
+            group.clear()
+        self.buffers = {n: t.cleared() for g in self.graphs for n, t in {**g.inputs, **g.outputs}.items()}
+
+    def pick_ar(self, n_inputs: int) -> int:
+        return pick_ar(list(self.variants), n_inputs)
+
+    # -- one graph call --
+    def _embed(self, name: str, ids: list[int], ar: int) -> np.ndarray:
+        rows, lut, target = self.luts[name]
+        pad = self.eos[0]
+        if max(ids + [pad]) >= len(rows):
+            raise EmulatorError(f"token id {max(ids + [pad])} is outside the {len(rows)}-row LUT for {name}")
+        raw = rows[np.array(ids + [pad] * (ar - len(ids)))]
+        if feed_mode(lut, target) == COPY:
+            values = feed(raw, lut, target)
+        else:
+            values = requantize(raw, lut, target)
+        return values.reshape(next(g.inputs[name].shape for g in self.variants[ar] if name in g.inputs))
+
+    def _masks(self, ar: int, n: int, splits: list[Graph]) -> dict[str, np.ndarray]:
+        out = {}
+        q = self.n_past + np.arange(ar)
+        for group in self.groups:
+            t = next(
+                (g.inputs[group.mask_name] for g in self.variants[ar] if group.mask_name in g.inputs), None
+            )
+            if t is None:
+                continue
+            budget = group.budget(splits)
+            pos = np.array(group.slot_position[:budget])
+            past = (pos[None, :] >= 0) & (pos[None, :] <= q[:, None])
+            if group.window is not None:
+                # The exclusion zone of setupAttentionMask: positions at window distance or more.
+                past &= q[:, None] - pos[None, :] < group.window
+            new = np.arange(ar)[None, :] <= np.arange(ar)[:, None]
+            attend = np.concatenate([past, new], axis=1)
+            attend[n:] = False
+            enc = t.encoding
+            if enc.is_fixed:
+                on = np.iinfo(enc.numpy_dtype).max
+                values = np.where(attend, on, 0).astype(enc.numpy_dtype)
+            else:
+                values = np.where(attend, 0.0, FLOAT_MASKED).astype(enc.numpy_dtype)
+            out[group.mask_name] = values.reshape(t.shape)
+        return out
+
+    def _rope(self, ar: int) -> dict[str, np.ndarray]:
+        tensors = {n: t for g in self.variants[ar] for n, t in g.inputs.items()}
+        positions = self.n_past + np.arange(ar)
+        out = {}
+        for prefix, entry in self.rope.items():
+            cos, sin = rope_table(entry, positions)
+            for which, values in (("cos", cos), ("sin", sin)):
+                t = tensors.get(f"{prefix}position_ids_{which}")
+                if t is None:
+                    continue
+                if values.shape[-1] != t.shape[-1]:
+                    raise EmulatorError(
+                        f"positional-encoding {prefix or '(global)'} rope-dim {values.shape[-1]}, but "
+                        f"{t.name} is {t.shape[-1]} wide"
+                    )
+                out[t.name] = t.encoding.quantize(values).reshape(t.shape)
+        return out
+
+    def call(self, ids: list[int]) -> np.ndarray:
+        """One inference step of len(ids) tokens with the AR Genie picks; returns the raw logits rows."""
+        ar = self.pick_ar(len(ids))
+        n = len(ids)
+        if n > ar:
+            raise EmulatorError(f"a step takes at most AR-{ar} tokens, got {n}")
+        if self.n_past + n > self.context:
+            raise EmulatorError(
+                f"context full: {self.n_past} + {n} tokens exceed context.size {self.context}"
+            )
+        splits = self.variants[ar]
+        fed = {name: self._embed(name, list(ids), ar) for name in self.luts}
+        fed.update(self._masks(ar, n, splits))
+        fed.update(self._rope(ar))
+        self.buffers.update(fed)
+        for group in self.groups:
+            for name, buf in group.buffers.items():
+                budget = group.budget(splits)
+                self.buffers[name] = (buf[:, :budget] if "_key_" in name else buf[:budget])[None, None]
+        outputs: dict[str, np.ndarray] = {}
+        for g in splits:
+            feeds = {name: self.buffers[name].reshape(t.shape) for name, t in g.inputs.items()}
+            result = self.engine.run(g, feeds)
+            self.buffers.update(result)
+            outputs.update(result)
+        positions = self.n_past + np.arange(n)
+        for group in self.groups:
+            kv = {k: v[0, 0] for k, v in outputs.items() if k.startswith(group.prefix) and k.endswith("_out")}
+            group.accept(kv, n, group.budget(splits), positions)
+        self.n_past += n
+        self.steps.append({"ar": ar, "n_process": n})
+        return outputs["logits"][0, :n]
+
+    def prefill(self, ids: list[int]) -> np.ndarray:
+        """The prompt in Genie's chunks; returns the raw logits of the last prompt token."""
+        ar = self.pick_ar(len(ids))
+        last = None
+        for i in range(0, len(ids), ar):
+            last = self.call(ids[i : i + ar])
+        return last[-1]
+
+    @property
+    def logits_encoding(self) -> Encoding:
+        return self.variants[min(self.variants)][-1].outputs["logits"].encoding
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Emulation:
+        self.reset()
+        run = Emulation(list(prompt_ids))
+        t0 = time.perf_counter()
+        raw = self.prefill(list(prompt_ids))
+        run.prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        while True:
+            run.logits.append(self.logits_encoding.dequantize(raw))
+            tok = int(np.argmax(raw))
+            run.tokens.append(tok)
+            if tok in self.eos:
+                run.stopped_by = f"eos-token {tok}"
+                break
+            if len(run.tokens) >= max_new_tokens:
+                break
+            if self.n_past + 1 > self.context:
+                run.stopped_by = "context full"
+                break
+            raw = self.call([tok])[-1]
+        run.decode_s = time.perf_counter() - t0
+        run.steps = list(self.steps)
+        return run
+
+    def logits_along(self, prompt_ids: list[int], path: list[int]) -> np.ndarray:
+        """Dequantized logits after the prompt and after each token of `path` (teacher forcing)."""
+        self.reset()
+        rows = [self.prefill(list(prompt_ids))]
+        rows += [self.call([t])[-1] for t in path]
+        return self.logits_encoding.dequantize(np.stack(rows))
+
+
+def requantize(raw: np.ndarray, lut: Encoding, target: Encoding) -> np.ndarray:
+    """dialog.cpp requantEmbedding: (T)(requantScale * q + requantOffset), a C cast (truncation)."""
+    if not (lut.is_fixed and target.is_fixed):
+        raise EncodingError(f"no requantization from {lut.describe()} to {target.describe()}")
+    scale = lut.scale / target.scale
+    offset = scale * lut.offset - target.offset
+    values = np.trunc(scale * raw.astype(np.float64) + offset)
+    return values.astype(np.int64).astype(target.numpy_dtype)

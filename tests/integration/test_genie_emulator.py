@@ -1,0 +1,230 @@
+"""The Genie emulator on the trained tiny bundle: the bundle's own v69 binaries on the HTP emulation
+against transformers, the CPU engine, and mutations of a good bundle that verify must catch (refused
+naming the cause, or tokens that no longer match)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from stages.bundle import run_bundle
+from stages.compile import run_compile
+from stages.config import load_config
+from stages.genie_emulator import EmulatorError, GenieEmulator
+from stages.verify import VerifyError, run_verify
+from tests.conftest import copy_workdir
+
+pytestmark = pytest.mark.slow
+PROMPT = "Return the first element of a list."
+
+
+@pytest.fixture(scope="module")
+def bundled(quantized_tiny, tmp_path_factory) -> Path:
+    work = copy_workdir(quantized_tiny, tmp_path_factory.mktemp("emulator") / "w")
+    cfg = load_config("tiny")
+    run_compile(cfg, work)
+    run_bundle(cfg, work, work / "checkpoints" / "tiny")
+    return work
+
+
+@pytest.fixture(scope="module")
+def verified(bundled) -> dict:
+    """verify as `make demo` runs it: the HTP engine on the binaries."""
+    return run_verify(load_config("tiny"), bundled, bundled / "checkpoints" / "tiny", PROMPT)["figures"]
+
+
+def test_the_binaries_under_the_emulator_match_transformers(verified):
+    assert verified["engine"]["name"] == "htp"
+    assert verified["matching_prefix_tokens"] >= 31 and len(verified["transformers_tokens"]) == 32
+    assert verified["top1_agreement"] >= 0.95
+    assert verified["heldout"]["ran"] and verified["heldout"]["top1_agreement"] >= 0.95
+    # Disagreements on held-out text are near-ties in transformers' own logits.
+    assert all(t["transformers_logit_gap"] < 0.5 for t in verified["heldout"]["near_ties"])
+    assert verified["bundle_vs_host_runner_logits"]["top1_agreement"] >= 0.95
+    # Prefill in AR-8 chunks (the last one padded), then AR-1 decode steps.
+    steps = verified["emulator_prefill_steps"]
+    assert {s["ar"] for s in steps} == {8} and sum(s["n_process"] for s in steps) == verified["prompt_tokens"]
+    behaviours = verified["genie_behaviours"]
+    assert len(behaviours) >= 7 and all(b["source"] for b in behaviours)
+
+
+def test_cpu_engine_follows_the_same_path(bundled, verified):
+    from stages.chat import ChatTokenizer
+
+    compiled = json.loads((bundled / "compiled" / "report.json").read_text())
+    em = GenieEmulator(bundled / "genie_bundle", compiled, "cpu", bundled / "quantized")
+    ids = ChatTokenizer(bundled / "genie_bundle").chat_ids(PROMPT)
+    run = em.generate(ids, 32)
+    same = sum(a == b for a, b in zip(run.tokens, verified["transformers_tokens"], strict=False))
+    assert same >= 31
+
+
+# ---- mutations ----
+def _resign(bundle: Path) -> None:
+    """Record the edited files in the manifest, as a bundle built that way would."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    for f in manifest["files"]:
+        data = (bundle / f["path"]).read_bytes()
+        f.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (bundle / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    report = json.loads((bundle / "report.json").read_text())  # the bundle stage's record of its outputs
+    for f in report["outputs"]:
+        data = (bundle / f["path"]).read_bytes()
+        f.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (bundle / "report.json").write_text(json.dumps(report, indent=2))
+
+
+def _edit_genie_config(work: Path, edit) -> None:
+    path = work / "genie_bundle" / "genie_config.json"
+    cfg = json.loads(path.read_text())
+    edit(cfg["dialog"])
+    path.unlink()  # never write through a link into compiled/ or exported/
+    path.write_text(json.dumps(cfg, indent=2))
+    _resign(work / "genie_bundle")
+
+
+def _edit_compiled_io(work: Path, edit) -> None:
+    path = work / "compiled" / "report.json"
+    report = json.loads(path.read_text())
+    for b in report["figures"]["binaries"]:
+        for g in b["graphs"]:
+            edit(g["name"], g["io"])
+    path.write_text(json.dumps(report, indent=2))
+
+
+def _verify(work: Path) -> dict:
+    return run_verify(load_config("tiny"), work, work / "checkpoints" / "tiny", PROMPT, engine="cpu")
+
+
+@pytest.fixture
+def mutable(bundled, tmp_path) -> Path:
+    return copy_workdir(bundled, tmp_path / "w")
+
+
+def test_float_per_layer_inputs_from_a_ufixed8_lut_is_refused(mutable):
+    def to_float(_, io):
+        if "per_layer_inputs" in io["inputs"]:
+            io["inputs"]["per_layer_inputs"] = {
+                "dtype": "float32",
+                "shape": io["inputs"]["per_layer_inputs"]["shape"],
+            }
+
+    _edit_compiled_io(mutable, to_float)
+    with pytest.raises(
+        VerifyError, match="per_layer_inputs: Genie cannot feed a float32 input from the ufixed8"
+    ):
+        _verify(mutable)
+
+
+def test_an_embedding_lut_encoding_unlike_the_input_gives_other_tokens(verified, mutable):
+    def shift(genie):
+        genie["embedding"]["quant-param"]["offset"] += 3000
+
+    _edit_genie_config(mutable, shift)
+    assert (mutable / "verify" / "report.json").is_file()  # the good bundle's passing report
+    with pytest.raises(VerifyError, match="falls short: greedy tokens match transformers for"):
+        _verify(mutable)
+    assert not (mutable / "verify" / "report.json").exists()  # no stale pass left behind
+
+
+def test_a_cross_part_tensor_with_two_encodings_is_refused(mutable):
+    def rescale(name, io):
+        for t, enc in io["inputs"].items():
+            if t.startswith("hidden_states_layer") and "part2" in name:
+                enc["scale"] *= 2
+
+    _edit_compiled_io(mutable, rescale)
+    with pytest.raises(
+        VerifyError, match=r"hidden_states_layer\d+ leaves one split as .* Genie hands over the raw"
+    ):
+        _verify(mutable)
+
+
+@pytest.mark.parametrize(
+    "field,value,cause",
+    [
+        (
+            "rope-theta",
+            10.0,
+            r"positional-encoding \(global\) rope-theta is 10.0, the graphs and the model say 1000000.0",
+        ),
+        (
+            "partial-rotary-factor",
+            1.0,
+            r"\(global\) partial-rotary-factor is 1.0, the graphs and the model say 0.25",
+        ),
+    ],
+    ids=["rope-theta", "partial-rotary"],
+)
+def test_a_wrong_rope_is_refused(mutable, field, value, cause):
+    def edit(genie):
+        rope = genie["engine"]["model"]["positional-encoding"][0]
+        (rope["rope-scaling"] if field == "partial-rotary-factor" else rope)[field] = value
+
+    _edit_genie_config(mutable, edit)
+    with pytest.raises(VerifyError, match=cause):
+        _verify(mutable)
+
+
+def test_the_emulator_builds_its_rope_tables_from_the_config(bundled, mutable, verified):
+    """A wrong rope-theta in genie_config.json reaches the binaries' inputs, as it would on the phone."""
+    from stages.chat import ChatTokenizer
+
+    _edit_genie_config(
+        mutable, lambda g: g["engine"]["model"]["positional-encoding"][0].update({"rope-theta": 10.0})
+    )
+    compiled = json.loads((bundled / "compiled" / "report.json").read_text())
+    ids = ChatTokenizer(bundled / "genie_bundle").chat_ids(PROMPT)
+    path = verified["transformers_tokens"][:-1]
+    good = GenieEmulator(bundled / "genie_bundle", compiled, "cpu", bundled / "quantized").logits_along(
+        ids, path
+    )
+    bad = GenieEmulator(mutable / "genie_bundle", compiled, "cpu", mutable / "quantized").logits_along(
+        ids, path
+    )
+    assert float(abs(bad - good).mean()) > 0.1 * float(good.std())
+
+
+@pytest.mark.parametrize(
+    "edit,cause",
+    [
+        (
+            lambda g: g["engine"]["cache-groups"][1]["longcontext"]["sliding-window"].update(
+                {"window-size": 6}
+            ),
+            "sliding window-size is 6, the graphs and the model say 8",
+        ),
+        (
+            lambda g: g["engine"]["cache-groups"][0].update({"kv-dim": 16}),
+            "'past_' kv-dim is 16, the graphs and the model say 32",
+        ),
+        (
+            lambda g: g["engine"]["cache-groups"][1].update({"prefix": "sw_"}),
+            "'sw_' matches no key cache input",
+        ),
+    ],
+    ids=["window", "kv-dim", "prefix"],
+)
+def test_cache_group_mistakes_are_refused(mutable, edit, cause):
+    _edit_genie_config(mutable, edit)
+    with pytest.raises(VerifyError, match=cause):
+        _verify(mutable)
+
+
+def test_the_emulator_alone_refuses_cache_group_mistakes(mutable):
+    """Without verify's config checks, the emulator still names kv-dim and prefix mistakes."""
+    compiled = json.loads((mutable / "compiled" / "report.json").read_text())
+    for edit, cause in [
+        (lambda g: g["engine"]["cache-groups"][0].update({"kv-dim": 16}), "kv-dim 16 in genie_config.json"),
+        (
+            lambda g: g["engine"]["cache-groups"][1].update({"prefix": "sw_"}),
+            "'sw_' matches no KV cache input",
+        ),
+    ]:
+        work = copy_workdir(mutable, mutable.parent / f"m{len(cause)}")
+        _edit_genie_config(work, edit)
+        with pytest.raises(EmulatorError, match=cause):
+            GenieEmulator(work / "genie_bundle", compiled, "cpu", work / "quantized")
