@@ -123,7 +123,12 @@ def feed_mode(lut: Encoding, graph_input: Encoding) -> str | None:
 
 
 def feed(rows: np.ndarray, lut: Encoding, graph_input: Encoding) -> np.ndarray:
-    """The values Genie writes into `graph_input` for LUT `rows` (raw LUT values)."""
+    """The values Genie writes into `graph_input` for LUT `rows` (raw LUT values).
+
+    Requantization is Genie's own arithmetic (qualla dialog.cpp `requantEmbedding`):
+    (T)(requantScale * q + requantOffset) with requantScale = s_lut / s_in and requantOffset =
+    requantScale * o_lut - o_in, a C cast: truncation toward zero and no clamp (out-of-range values
+    wrap here, as the cast's result is undefined in C)."""
     import numpy as np
 
     mode = feed_mode(lut, graph_input)
@@ -133,7 +138,10 @@ def feed(rows: np.ndarray, lut: Encoding, graph_input: Encoding) -> np.ndarray:
         )
     if mode == COPY:
         return np.asarray(rows, dtype=graph_input.numpy_dtype)
-    return graph_input.quantize(lut.dequantize(rows))
+    scale = lut.scale / graph_input.scale
+    offset = scale * lut.offset - graph_input.offset
+    values = np.trunc(scale * np.asarray(rows).astype(np.float64) + offset)
+    return values.astype(np.int64).astype(graph_input.numpy_dtype)
 
 
 def shared_tensor_mismatches(

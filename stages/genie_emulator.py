@@ -65,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from stages.encoding import COPY, Encoding, EncodingError, feed, feed_mode
+from stages.encoding import Encoding, feed, feed_mode
 
 ENGINES = ("htp", "cpu")
 GENIE_SOURCE = "Genie public source, qualla/"
@@ -589,10 +589,7 @@ class GenieEmulator:
         if max(ids + [pad]) >= len(rows):
             raise EmulatorError(f"token id {max(ids + [pad])} is outside the {len(rows)}-row LUT for {name}")
         raw = rows[np.array(ids + [pad] * (ar - len(ids)))]
-        if feed_mode(lut, target) == COPY:
-            values = feed(raw, lut, target)
-        else:
-            values = requantize(raw, lut, target)
+        values = feed(raw, lut, target)
         return values.reshape(next(g.inputs[name].shape for g in self.variants[ar] if name in g.inputs))
 
     def _masks(self, ar: int, n: int, splits: list[Graph]) -> dict[str, np.ndarray]:
@@ -715,13 +712,3 @@ class GenieEmulator:
         rows = [self.prefill(list(prompt_ids))]
         rows += [self.call([t])[-1] for t in path]
         return self.logits_encoding.dequantize(np.stack(rows))
-
-
-def requantize(raw: np.ndarray, lut: Encoding, target: Encoding) -> np.ndarray:
-    """dialog.cpp requantEmbedding: (T)(requantScale * q + requantOffset), a C cast (truncation)."""
-    if not (lut.is_fixed and target.is_fixed):
-        raise EncodingError(f"no requantization from {lut.describe()} to {target.describe()}")
-    scale = lut.scale / target.scale
-    offset = scale * lut.offset - target.offset
-    values = np.trunc(scale * raw.astype(np.float64) + offset)
-    return values.astype(np.int64).astype(target.numpy_dtype)
