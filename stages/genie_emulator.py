@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from stages.encoding import Encoding, feed, feed_mode
+from stages.quiet import native_stdout_without
 
 ENGINES = ("htp", "cpu")
 GENIE_SOURCE = "Genie public source, qualla/"
@@ -259,7 +260,9 @@ class HtpEngine:
                 },
             )
             try:
-                self._sessions[graph.name] = ort.InferenceSession(str(self._wrapper(graph)), so)
+                # libQnnHtp prints a LIBNATIVE configuration notice on stdout when it loads.
+                with native_stdout_without():
+                    self._sessions[graph.name] = ort.InferenceSession(str(self._wrapper(graph)), so)
             except Exception as e:  # onnxruntime raises its own exception classes
                 raise EmulatorError(f"{graph.file}: the HTP emulation could not load it: {e}") from None
         return self._sessions[graph.name]
