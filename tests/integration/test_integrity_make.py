@@ -102,8 +102,9 @@ def test_every_flipped_byte_is_caught_and_the_named_rerun_repairs_it(tmp_path):
     assert _ran(r) == {"export"}
     assert "Traceback" not in r.stderr and not _no_partials(work)
 
-    # The advice works: Make redoes the download and everything after it, and the bundle verifies.
-    r = make("verify", *tiny)
+    # The advice works: Make redoes the download and everything after it, and the bundle verifies
+    # (on a prompt from the tiny model's domain: verify's thresholds judge the model too).
+    r = make("verify", *tiny, "PROMPT=Return the first element of a list.")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert _ran(r) == set(STAGE_COMMANDS)
     assert sha256_file(work / "genie_bundle" / binary) == sha256_file(work / "compiled" / binary)
@@ -122,7 +123,16 @@ def test_presets_prompts_paths_and_clean_through_make(tmp_path):
     assert on_disk == {f["path"] for f in exported["outputs"]} | {"report.json"}
 
     prompt = f"Costs $5 $$HOME $(shell touch {canary}) \"q\" 's'\nx"
-    r = make("verify", "PRESET=tiny", "RUNNER=local", f"WORKDIR={work}", f"PROMPT={prompt}")
+    # Out of the tiny model's domain: this checks the prompt's path, not the model, so no thresholds.
+    r = make(
+        "verify",
+        "PRESET=tiny",
+        "RUNNER=local",
+        f"WORKDIR={work}",
+        f"PROMPT={prompt}",
+        "VERIFY_MIN_PREFIX=0",
+        "VERIFY_MIN_TOP1=0",
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert json.loads((work / "verify" / "report.json").read_text())["figures"]["prompt"] == prompt
     assert not canary.exists() and _ran(r) == set()
