@@ -37,7 +37,7 @@ from typing import Any
 
 from stages.config import PipelineConfig, stage_fields
 from stages.contract import CACHE_PREFIX
-from stages.encoding import shared_tensor_mismatches
+from stages.encoding import ONNX_TYPE_NAMES, shared_tensor_mismatches
 from stages.graphs import Binary, binary_layout, qdq_file_name
 from stages.quiet import call_without_native_noise
 from stages.report import (
@@ -51,16 +51,6 @@ from stages.report import (
 )
 from stages.soc import Soc
 
-ONNX_TYPES = {
-    1: "float32",
-    2: "uint8",
-    3: "int8",
-    4: "uint16",
-    5: "int16",
-    10: "float16",
-    6: "int32",
-    7: "int64",
-}
 QUANTIZED_TYPES = {"uint8", "int8", "uint16", "int16"}
 # Above this an ONNX file must keep its weights as external data (protobuf's 2 GB limit). Graphs below
 # it are handed to onnxruntime as bytes: onnxruntime names the QNN graph after a hash of the model's
@@ -121,7 +111,9 @@ def prepare_io(model) -> dict[str, dict[str, Encoding]]:
         readers = consumers(inp.name)
         q = readers[0] if len(readers) == 1 and readers[0].op_type == "QuantizeLinear" else None
         if q is None or len(q.input) < 3:
-            encodings["inputs"][inp.name] = Encoding(ONNX_TYPES[inp.type.tensor_type.elem_type], shape(inp))
+            encodings["inputs"][inp.name] = Encoding(
+                ONNX_TYPE_NAMES[inp.type.tensor_type.elem_type], shape(inp)
+            )
             continue
         zp = inits[q.input[2]]
         inp.type.tensor_type.elem_type = zp.data_type
@@ -129,13 +121,15 @@ def prepare_io(model) -> dict[str, dict[str, Encoding]]:
             n.input[:] = [inp.name if i == q.output[0] else i for i in n.input]
         drop.append(q)
         encodings["inputs"][inp.name] = Encoding(
-            ONNX_TYPES[zp.data_type], shape(inp), scalar(q.input[1]), -int(scalar(q.input[2]))
+            ONNX_TYPE_NAMES[zp.data_type], shape(inp), scalar(q.input[1]), -int(scalar(q.input[2]))
         )
     producers = {o: n for n in g.node for o in n.output}
     for out in g.output:
         dq = producers.get(out.name)
         if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) < 3:
-            encodings["outputs"][out.name] = Encoding(ONNX_TYPES[out.type.tensor_type.elem_type], shape(out))
+            encodings["outputs"][out.name] = Encoding(
+                ONNX_TYPE_NAMES[out.type.tensor_type.elem_type], shape(out)
+            )
             continue
         quantized = dq.input[0]
         zp = inits[dq.input[2]]
@@ -153,7 +147,7 @@ def prepare_io(model) -> dict[str, dict[str, Encoding]]:
         else:
             drop.append(dq)
         encodings["outputs"][out.name] = Encoding(
-            ONNX_TYPES[zp.data_type], shape(out), scalar(dq.input[1]), -int(scalar(dq.input[2]))
+            ONNX_TYPE_NAMES[zp.data_type], shape(out), scalar(dq.input[1]), -int(scalar(dq.input[2]))
         )
     for n in drop:
         g.node.remove(n)
@@ -200,8 +194,8 @@ def activation_matmuls(model) -> list[tuple[str, str, str]]:
     g = model.graph
     inits = {i.name for i in g.initializer}
     producers = {o: n for n in g.node for o in n.output}
-    zp_types = {i.name: ONNX_TYPES.get(i.data_type, str(i.data_type)) for i in g.initializer}
-    inputs = {i.name: ONNX_TYPES.get(i.type.tensor_type.elem_type) for i in g.input}
+    zp_types = {i.name: ONNX_TYPE_NAMES.get(i.data_type, str(i.data_type)) for i in g.initializer}
+    inputs = {i.name: ONNX_TYPE_NAMES.get(i.type.tensor_type.elem_type) for i in g.input}
 
     def origin(t: str) -> tuple[bool, str]:
         """(is a constant, type as the MatMul consumes it: the quantized type under a DQ)."""

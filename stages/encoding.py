@@ -27,6 +27,19 @@ FIXED_TYPES = {"ufixed8": "uint8", "ufixed16": "uint16", "sfixed8": "int8", "sfi
 BITS = {"ufixed8": 8, "ufixed16": 16, "sfixed8": 8, "sfixed16": 16, "float16": 16, "float32": 32}
 # ONNX tensor element types (onnx.TensorProto) of quantized graph I/O, by QNN datatype.
 ONNX_ELEM_TYPE = {"ufixed8": 2, "sfixed8": 3, "ufixed16": 4, "sfixed16": 5, "float32": 1, "float16": 10}
+# ONNX tensor element types by their numpy-style names, for the graph audits of quantize and compile.
+ONNX_TYPE_NAMES = {
+    1: "float32",
+    2: "uint8",
+    3: "int8",
+    4: "uint16",
+    5: "int16",
+    6: "int32",
+    7: "int64",
+    10: "float16",
+    21: "uint4",
+    22: "int4",
+}
 COPY = "copy"
 REQUANTIZE = "requantize"
 

@@ -46,7 +46,7 @@ from stages.contract import (
     GraphSpec,
     constructed_input_ranges,
 )
-from stages.encoding import Encoding
+from stages.encoding import ONNX_TYPE_NAMES, Encoding
 from stages.graphs import qdq_file_name
 from stages.precision import INT8_CHANNEL
 from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
@@ -533,19 +533,6 @@ def read_lut_inputs_quantized(model, encodings: dict[str, Encoding]) -> list[str
 
 
 # ---- audit ----
-ONNX_TYPE_NAMES = {
-    1: "float32",
-    2: "uint8",
-    3: "int8",
-    4: "uint16",
-    5: "int16",
-    10: "float16",
-    7: "int64",
-    21: "uint4",
-    22: "int4",
-}
-
-
 def audit(
     cfg: PipelineConfig, qmodel, analysis: GraphAnalysis, lut_inputs: dict[str, Encoding]
 ) -> dict[str, Any]:
