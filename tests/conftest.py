@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -183,3 +184,29 @@ def _soc_devices() -> list[dict]:
 
 
 SOC_DEVICES = _soc_devices()
+
+
+@contextlib.contextmanager
+def folder_locked_by_another_process(folder: Path):
+    """Hold an exclusive flock on `folder` from a child process, as a live stage holds its partial
+    folder, until the block ends."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+            str(folder),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()

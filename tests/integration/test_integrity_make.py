@@ -6,12 +6,10 @@ paths reach the stages unchanged."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import make
+from conftest import folder_locked_by_another_process, make
 
 pytestmark = pytest.mark.slow
 
@@ -159,25 +157,10 @@ def test_presets_prompts_paths_and_clean_through_make(tmp_path):
     stale.mkdir()
     live = work / ".compiled.partial-1"
     live.mkdir()
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
-            "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
-            str(live),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with folder_locked_by_another_process(live):
         clean = make("clean", "PRESET=tiny", f"WORKDIR={work}")
         assert clean.returncode == 0, clean.stderr
         assert not stale.exists() and live.is_dir()
-    finally:
-        holder.kill()
-        holder.wait()
     assert not (work / "exported").exists() and (work / "checkpoints" / "tiny" / "report.json").is_file()
     assert [p.name[:14] for p in (work / ".g4v69").iterdir()] == ["download-tiny-"]
     assert _ran(make("-n", "download", "PRESET=tiny", "RUNNER=local", f"WORKDIR={work}")) == set()

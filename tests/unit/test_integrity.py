@@ -7,8 +7,6 @@ import errno
 import fcntl
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -25,6 +23,7 @@ from stages.report import (
     stage_output,
     write_stamp,
 )
+from tests.conftest import folder_locked_by_another_process
 
 
 def _make_stage(workdir, stage, files):
@@ -136,25 +135,10 @@ def test_stale_partials_go_and_a_live_runs_stays(tmp_path):
     old.mkdir()
     live = tmp_path / ".exported.partial-1"
     live.mkdir()
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
-            "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
-            str(live),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with folder_locked_by_another_process(live):
         with stage_output("export", tmp_path / "exported", [], {}, root=tmp_path) as run:
             (run.dir / "a").write_text("a")
         assert not dead.exists() and not old.exists() and live.is_dir()
-    finally:
-        holder.kill()
-        holder.wait()
     assert remove_stale_partials(tmp_path) == [live]
     # A Hub download's staging folder is how a download resumes: never a stale partial.
     staging = tmp_path / ".gemma-4-e2b-it.download"
