@@ -344,10 +344,28 @@ def _int4_tensor(name: str, q: np.ndarray):
     return helper.make_tensor(name, TensorProto.INT4, list(q.shape), _pack_int4(q), raw=True)
 
 
+# Candidate clipping ratios for int4 per-channel scales: a column's scale is ratio * max|w| / 7 for the
+# ratio with the least squared weight error. Max-abs scaling (ratio 1) spends most of a 16-level grid
+# on one outlier; on the trained tiny model the search took held-out KL from 0.110 to 0.074 and
+# perplexity from 4.54 to 4.37 (float 4.17). Fixed candidates keep the result deterministic.
+INT4_CLIP_RATIOS = np.linspace(0.5, 1.0, 26)
+
+
 def int4_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int4 per output channel of a (in, out) weight: (values, scale per column)."""
-    scale = np.abs(w).max(axis=0) / 7.0
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    """Symmetric int4 per output channel of a (in, out) weight: (values, scale per column), each
+    column's scale the clipping ratio with the least squared error."""
+    w = w.astype(np.float32)
+    absmax = np.abs(w).max(axis=0)
+    safe = np.where(absmax > 0, absmax, 1.0).astype(np.float32)
+    best_err = np.full(w.shape[1], np.inf, np.float64)
+    scale = safe / np.float32(7.0)
+    for ratio in INT4_CLIP_RATIOS[::-1]:  # ratio 1 first: ties keep the unclipped scale
+        s = (np.float32(ratio) * safe / np.float32(7.0)).astype(np.float32)
+        err = np.square(np.clip(np.rint(w / s), -8, 7) * s - w).sum(axis=0, dtype=np.float64)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        scale = np.where(better, s, scale)
+    scale = scale.astype(np.float32)
     q = np.clip(np.rint(w / scale), -8, 7).astype(np.int8)
     return q, scale
 
