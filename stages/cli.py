@@ -458,6 +458,8 @@ def verify(
         f"{fig['matching_prefix_tokens']} of {len(fig['transformers_tokens'])}, top-1 agreement "
         f"{fig['top1_agreement']:.3f}"
         + (f", held-out {heldout['top1_agreement']:.3f}" if heldout["ran"] else ", held-out text not checked")
+        + f" (floor {fig['thresholds']['min_top1_agreement_with_transformers']}); with its own quantized "
+        f"graphs on the host {fig['bundle_vs_host_runner_logits']['top1_agreement']:.3f}"
     )
 
 

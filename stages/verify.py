@@ -162,6 +162,20 @@ def bundle_runner(bundle_dir: Path, export_dir: Path, quantized_dir: Path):
 MIN_MATCHING_PREFIX = 8
 MIN_TOP1_AGREEMENT = 0.9
 HELDOUT_TOKENS = 96
+# Against transformers a bundle can only be as good as its quantized graphs: the top-1 floor there is
+# the quantize stage's own held-out agreement less this margin (short texts, v69 arithmetic), where that
+# is below MIN_TOP1. A 4-bit tiny model measures about 0.83 (64-wide rows), w8a16 0.98. The bundle
+# against its own quantized graphs (what the binaries were compiled from) keeps the full threshold.
+QUANTIZATION_MARGIN = 0.05
+
+
+def float_reference_floor(min_top1: float, quantize_report: dict[str, Any] | None, ple_policy: str) -> float:
+    """The top-1 floor against transformers: min_top1, or what quantization measured less the margin."""
+    quality = ((quantize_report or {}).get("figures", {}).get("quality", {}) or {}).get(ple_policy, {})
+    measured = quality.get("top1_agreement")
+    if measured is None:
+        return min_top1
+    return round(min(min_top1, measured - QUANTIZATION_MARGIN), 3)
 
 
 @dataclass(frozen=True)
@@ -269,6 +283,8 @@ def run_verify(
     runner.reset()
     host = np.concatenate([runner.prefill(prompt_ids)[-1:]] + [runner.step([t]) for t in theirs[:-1]])
     span = float(host.max() - host.min()) or 1.0
+    host_agreement = float((emulated.argmax(-1) == host.argmax(-1)).mean()) if len(host) else 1.0
+    float_floor = float_reference_floor(thresholds.min_top1, read_report(quantized_dir), cfg.ple_policy)
     heldout: dict[str, Any] = {"ran": False}
     sample = _heldout_sample(cfg, tok, int(genie["context"]["bos-token"]), HELDOUT_TOKENS)
     if sample is not None:
@@ -288,12 +304,13 @@ def run_verify(
         shortfalls.append(
             f"greedy tokens match transformers for {common}, {need_prefix - common} short of {need_prefix}"
         )
-    for what, value in (("demo prompt", agreement), ("held-out text", heldout.get("top1_agreement"))):
-        if value is not None and value < thresholds.min_top1:
-            shortfalls.append(
-                f"top-1 agreement on the {what} {value:.3f}, {thresholds.min_top1 - value:.3f} below "
-                f"{thresholds.min_top1}"
-            )
+    for what, value, floor in (
+        ("the prompt with transformers", agreement, float_floor),
+        ("held-out text with transformers", heldout.get("top1_agreement"), float_floor),
+        ("the prompt with the bundle's quantized graphs on the host", host_agreement, thresholds.min_top1),
+    ):
+        if value is not None and value < floor:
+            shortfalls.append(f"top-1 agreement on {what} {value:.3f}, {floor - value:.3f} below {floor}")
     if shortfalls:
         ties = near_ties(ref, emulated) + heldout.get("near_ties", [])
         raise VerifyError(
@@ -319,7 +336,11 @@ def run_verify(
                     else "each ctx-bin's compiler input (quantized graph, boundary Q/DQ folded) on CPU",
                 },
                 "genie_behaviours": GENIE_BEHAVIOURS,
-                "thresholds": {"min_matching_prefix": need_prefix, "min_top1_agreement": thresholds.min_top1},
+                "thresholds": {
+                    "min_matching_prefix": need_prefix,
+                    "min_top1_agreement": thresholds.min_top1,
+                    "min_top1_agreement_with_transformers": float_floor,
+                },
                 "prompt": prompt,
                 "prompt_tokens": len(prompt_ids),
                 "bundle_tokens": ours.tokens,
@@ -342,7 +363,7 @@ def run_verify(
                     "max_abs": round(float(np.abs(emulated - host).max()), 4),
                     "mean_abs": round(float(np.abs(emulated - host).mean()), 4),
                     "host_logit_span": round(span, 4),
-                    "top1_agreement": float((emulated.argmax(-1) == host.argmax(-1)).mean()),
+                    "top1_agreement": host_agreement,
                 },
             }
         )

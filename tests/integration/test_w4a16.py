@@ -7,12 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from stages.bundle import run_bundle
 from stages.compile import run_compile
 from stages.config import load_config
 from stages.download import run_download
 from stages.export import run_export
 from stages.precision import PRECISIONS
 from stages.quantize import run_quantize
+from stages.verify import run_verify
 
 pytestmark = pytest.mark.slow
 
@@ -131,3 +133,20 @@ def test_v69_emulation_agrees_with_int4_per_channel_and_not_with_lpbq(tmp_path):
     lpbq = _emulated_vs_cpu("w4a16-lpbq", tmp_path)
     assert int8 < 20 and int4 < 20
     assert lpbq > 100  # when this fails, LPBQ agrees: lift the refusal in stages/precision.py
+
+
+def test_the_w4a16_bundle_verifies_on_the_htp_emulation(w4a16):
+    """`make demo PRECISION=w4a16`'s verify: the binaries agree with the graphs they were compiled from
+    at the full threshold, and with transformers as well as 4-bit quantization measured."""
+    work, quantized = w4a16
+    cfg = load_config("tiny", {"precision": "w4a16"})
+    if not (work / "compiled" / "report.json").is_file():
+        run_compile(cfg, work)
+    run_bundle(cfg, work, work / "checkpoints" / "tiny")
+    prompt = "Return the first element of a list."
+    fig = run_verify(cfg, work, work / "checkpoints" / "tiny", prompt)["figures"]
+    measured = quantized["figures"]["quality"]["float16"]["top1_agreement"]
+    assert fig["thresholds"]["min_top1_agreement_with_transformers"] == round(measured - 0.05, 3)
+    assert fig["bundle_vs_host_runner_logits"]["top1_agreement"] >= 0.9
+    assert fig["heldout"]["top1_agreement"] >= measured - 0.05
+    assert fig["matching_prefix_tokens"] >= 8

@@ -235,3 +235,16 @@ def test_a_finished_stage_is_stamped_dated_like_its_report(g4v69, tmp_path):
     # The download report records every checkpoint file with its sha256: what later stages check.
     recorded = {f["path"] for f in read_report(report.parent)["outputs"]}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= recorded
+
+
+def test_verify_floor_against_transformers_follows_measured_quantization():
+    from stages.verify import float_reference_floor
+
+    report = {"figures": {"quality": {"float16": {"top1_agreement": 0.831}}}}
+    assert float_reference_floor(0.9, report, "float16") == 0.781
+    # A precision that measured better than the threshold keeps the threshold.
+    good = {"figures": {"quality": {"float16": {"top1_agreement": 0.984}}}}
+    assert float_reference_floor(0.9, good, "float16") == 0.9
+    # No measurement (another PLE policy, or no report): the threshold.
+    assert float_reference_floor(0.9, report, "int8") == 0.9
+    assert float_reference_floor(0.9, None, "float16") == 0.9
