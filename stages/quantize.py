@@ -85,6 +85,7 @@ CALIBRATION_METHODS = {
     "percentile": lambda: _method("Percentile"),
 }
 EVAL_SAMPLES = 4
+SQNR_TOKENS = 128
 
 
 class QuantizeError(ValueError):
@@ -215,32 +216,12 @@ class CalibratedRanges:
 
 
 def calibrated_ranges(runner, samples: list[list[int]]) -> CalibratedRanges:
-    """Min and max of every owner layer's new K and V entries (with 0: an empty cache slot holds
-    zeros) and of every cross-part tensor, over the calibration text.
-
-    Prefill graphs over whole samples suffice: a token's K/V depend only on the tokens before it, so
-    decode steps over the same text produce the same entries. Only one graph kind is ever loaded.
-    Cross-part tensors are taken whole (padding rows too): the next part quantizes all of them.
-    """
-    kv: dict[tuple[str, int], list[float]] = {}
-    boundary: dict[str, list[float]] = {}
-
-    def widen(store: dict, key: Any, value: np.ndarray) -> None:
-        lo, hi = store.get(key, [0.0, 0.0])
-        store[key] = [min(lo, float(value.min())), max(hi, float(value.max()))]
-
-    def observe(_spec: GraphSpec, _feeds: Any, outputs: dict[str, np.ndarray], n: int) -> None:
-        for name, value in outputs.items():
-            m = CACHE_TENSOR.match(name)
-            if m:
-                new = value[..., :n] if "_key_" in name else value[..., :n, :]  # the real tokens only
-                widen(kv, (m.group(1), int(m.group(2))), new)
-            elif BOUNDARY_TENSOR.match(name):
-                widen(boundary, name, value)
-
+    """The KV and cross-part ranges from a prefill pass of its own (the stage takes them from its
+    calibration pass instead: RangeCollector)."""
     from tqdm import tqdm
 
-    runner.observer = observe
+    collector = RangeCollector()
+    runner.observer = collector.observe
     try:
         for sample in tqdm(samples, desc="calibrate KV and part ranges", unit="sample", leave=False):
             runner.reset()
@@ -248,9 +229,7 @@ def calibrated_ranges(runner, samples: list[list[int]]) -> CalibratedRanges:
     finally:
         runner.observer = None
         runner.release("prefill")
-    return CalibratedRanges(
-        kv={k: (v[0], v[1]) for k, v in kv.items()}, boundary={k: (v[0], v[1]) for k, v in boundary.items()}
-    )
+    return collector.ranges()
 
 
 def quant_settings(
@@ -297,8 +276,12 @@ def quant_settings(
                 "zero_point": np.array(-enc.offset, dtype=enc.numpy_dtype),
             }
         ]
-    excluded = analysis.ple_nodes if cfg.ple_policy == "float16" else []
-    return overrides, excluded
+    return overrides, excluded_nodes(cfg, analysis)
+
+
+def excluded_nodes(cfg: PipelineConfig, analysis: GraphAnalysis) -> list[str]:
+    """Nodes left float: the PLE paths under the float16 policy."""
+    return analysis.ple_nodes if cfg.ple_policy == "float16" else []
 
 
 # ---- weight schemes (stages/precision.py) ----
@@ -850,9 +833,9 @@ CALIBRATOR_OPTIONS = {
 }
 
 
-def calibrate(src: Path, qcfg, ranges_file: Path, scratch: Path) -> None:
-    """Run onnxruntime's calibrator over qcfg's data reader and save the ranges to ranges_file."""
-    from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
+def new_calibrator(src: Path, qcfg, scratch: Path):
+    """onnxruntime's calibrator for the graph at src with qcfg's settings (its augmented graph in scratch)."""
+    from onnxruntime.quantization.calibrate import create_calibrator
 
     options = qcfg.extra_options or {}
     calibrator = create_calibrator(
@@ -868,8 +851,17 @@ def calibrate(src: Path, qcfg, ranges_file: Path, scratch: Path) -> None:
     # building its augmented copy and session from it, and reads nothing from it afterwards. Clearing
     # fields frees nothing (protobuf's arena lives as long as the message), so drop the message.
     calibrator.model = None
+    return calibrator
+
+
+def calibrate(src: Path, qcfg, ranges_file: Path, scratch: Path) -> None:
+    """Run onnxruntime's calibrator over qcfg's data reader and save the ranges to ranges_file (one
+    graph on its own; the stage calibrates a whole graph kind at once: calibrate_kind)."""
+    from onnxruntime.quantization.calibrate import save_tensors_data
+
+    calibrator = new_calibrator(src, qcfg, scratch)
     reader = qcfg.calibration_data_reader
-    stride = options.get("CalibStridedMinMax")
+    stride = (qcfg.extra_options or {}).get("CalibStridedMinMax")
     if stride:
         for start in range(0, len(reader), stride):
             reader.set_range(start_index=start, end_index=start + stride)
@@ -902,6 +894,39 @@ def quantize_with_ranges(src: Path, dest: Path, qcfg, ranges_file: Path) -> None
     )
 
 
+def qnn_config(
+    src: Path,
+    reader,
+    overrides: dict | None = None,
+    excluded: list[str] | None = None,
+    calibration_providers: list[str] | None = None,
+    method: str = "minmax",
+    stride: int | None = None,
+):
+    """onnxruntime's QNN QDQ configuration of one graph (a StaticQuantConfig)."""
+    from onnxruntime.quantization import QuantType
+    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
+
+    return get_qnn_qdq_config(
+        str(src),
+        reader,
+        activation_type=QuantType.QUInt16,
+        weight_type=QuantType.QInt8,
+        init_overrides=overrides,
+        # Converts would make Q (the MatMul's first operand) 8-bit like K; 16x8 is what v69 runs.
+        add_qtype_converts=False,
+        nodes_to_exclude=excluded or None,
+        calibration_providers=calibration_providers,
+        calibrate_method=CALIBRATION_METHODS[method](),
+        stride=stride,
+    )
+
+
+def graph_stride(stride: int | None, calls: int) -> int | None:
+    """onnxruntime wants the call count divisible by the stride: the largest divisor up to it."""
+    return max(d for d in range(1, stride + 1) if calls % d == 0) if stride else None
+
+
 @dataclass
 class GraphQuantSetup:
     qcfg: Any  # onnxruntime's StaticQuantConfig, its data reader streaming from the float chain
@@ -923,10 +948,9 @@ def graph_quant_config(
     method: str = "minmax",
     stride: int | None = None,
 ) -> GraphQuantSetup:
-    """onnxruntime's QNN QDQ configuration of one graph under the config's rules."""
+    """One graph's configuration with a reader that runs the float chain for it alone (parts 1..k per
+    call): the reference that the stage's shared pass (calibrate_kind) must equal, graph for graph."""
     import onnx
-    from onnxruntime.quantization import QuantType
-    from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
     from stages.calibration import calls, graph_feeds
 
@@ -938,22 +962,272 @@ def graph_quant_config(
     reader = _FeedsReader(
         graph_feeds(runner, samples, spec.role, spec.part, decode_steps), expected, f"calibrate {spec.name}"
     )
-    # onnxruntime wants the call count divisible by the stride: the largest divisor up to it.
-    graph_stride = max(d for d in range(1, stride + 1) if expected % d == 0) if stride else None
-    qcfg = get_qnn_qdq_config(
-        str(src),
-        reader,
-        activation_type=QuantType.QUInt16,
-        weight_type=QuantType.QInt8,
-        init_overrides=overrides,
-        # Converts would make Q (the MatMul's first operand) 8-bit like K; 16x8 is what v69 runs.
-        add_qtype_converts=False,
-        nodes_to_exclude=excluded or None,
-        calibration_providers=calibration_providers,
-        calibrate_method=CALIBRATION_METHODS[method](),
-        stride=graph_stride,
-    )
-    return GraphQuantSetup(qcfg, analysis, reader, graph_stride)
+    strided = graph_stride(stride, expected)
+    qcfg = qnn_config(src, reader, overrides, excluded, calibration_providers, method, strided)
+    return GraphQuantSetup(qcfg, analysis, reader, strided)
+
+
+# ---- calibration: one pass of the float chain for every graph of a kind ----
+# Calibrating graph by graph ran the float chain once per graph (parts 1..k for part k: 10 part calls
+# per token for 4 parts, plus a pass for the KV and boundary ranges). Here each graph's calibrator
+# stands in for that graph's session in the chain: its augmented session (the graph plus a reduction
+# per calibrated tensor) returns the graph's own outputs, which feed the next part, and the reductions,
+# which its calibrator keeps. One pass of the chain (4 part calls per token) calibrates every graph of
+# a kind. Each calibrator runs onnxruntime's own collect_data loop on a thread of its own, fed one call
+# at a time, so the calls it sees, their order and its arithmetic are those of the graph-by-graph run
+# (tests/integration/test_quantize.py: byte-identical graphs).
+def copy_graph(src: Path, folder: Path) -> Path:
+    """The graph at src (and its external-data file) copied into folder, where onnxruntime may write
+    its shape-inferred copy beside it (never in exported/). Copies, not links: onnx refuses external
+    data behind a symbolic link or a file with several hard links (what broke the E2B quantize)."""
+    import shutil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in src.parent.glob(f"{src.name}*"):
+        shutil.copyfile(f, folder / f.name)
+    return folder / src.name
+
+
+class _HandOff:
+    """A CalibrationDataReader whose calls the chain hands over one at a time."""
+
+    def __init__(self, expected: int):
+        import queue
+
+        self.inbox: queue.Queue = queue.Queue(maxsize=1)
+        self.expected = expected
+        self.count = 0
+        self.budget: int | None = None
+        self.ended = False
+
+    def __len__(self) -> int:
+        return self.expected
+
+    def set_range(self, start_index: int, end_index: int) -> None:
+        self.budget = end_index - start_index
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self.ended:  # the chain stopped early (a full context): every later range is empty too
+            return None
+        if self.budget is not None:
+            if self.budget == 0:
+                return None
+            self.budget -= 1
+        item = self.inbox.get()
+        if item is None:
+            self.ended = True
+        else:
+            self.count += 1
+        return item
+
+
+class ChainCalibrator:
+    """onnxruntime's calibrator for one graph, driven from the float chain (`session` is what the
+    chain runs for this graph)."""
+
+    def __init__(self, src: Path, qcfg, expected: int, scratch: Path, ranges_file: Path):
+        import queue
+        import threading
+
+        self.calibrator = new_calibrator(src, qcfg, scratch)
+        self.augmented = self.calibrator.infer_session
+        self.output_names = [o.name for o in self.augmented.get_outputs()]
+
+        self.reader = _HandOff(expected)
+        self.outbox: queue.Queue = queue.Queue()  # outputs of each call, or the error that ended it
+        self.calibrator.infer_session = _Tap(self.augmented, self.outbox)  # its collect_data loop runs it
+        self.stride = (qcfg.extra_options or {}).get("CalibStridedMinMax")
+        self.ranges_file = ranges_file
+        self.thread = threading.Thread(target=self._collect, daemon=True)
+        self.thread.start()
+
+    def _collect(self) -> None:
+        from onnxruntime.quantization.calibrate import save_tensors_data
+
+        try:
+            if self.stride:
+                for start in range(0, len(self.reader), self.stride):
+                    self.reader.set_range(start_index=start, end_index=start + self.stride)
+                    self.calibrator.collect_data(self.reader)
+            else:
+                self.calibrator.collect_data(self.reader)
+            save_tensors_data(self.calibrator.compute_data(), self.ranges_file)
+        except BaseException as e:
+            self.outbox.put(e)
+
+    # -- the chain's side --
+    @property
+    def session(self) -> _ChainSession:
+        return _ChainSession(self)
+
+    def finish(self) -> None:
+        """No more calls: the calibrator computes and saves its ranges."""
+        if self.thread.is_alive():
+            self.reader.inbox.put(None)
+            self.thread.join()
+        if not self.outbox.empty():
+            err = self.outbox.get()
+            if isinstance(err, BaseException):
+                raise err
+        self.augmented = None
+
+
+class _Tap:
+    """The calibrator's session: the augmented session, each call's outputs also handed to the chain."""
+
+    def __init__(self, session, outbox):
+        self.session = session
+        self.outbox = outbox
+
+    def __getattr__(self, name: str) -> Any:  # get_inputs, get_outputs, ...: the session's own
+        return getattr(self.session, name)
+
+    def run(self, names, feeds):
+        try:
+            out = self.session.run(names, feeds)
+        except BaseException as e:
+            self.outbox.put(e)
+            raise
+        self.outbox.put(out)
+        return out
+
+
+class _ChainSession:
+    """What the host runner runs for a graph under calibration: hands the call to its calibrator and
+    returns the graph's own outputs from the augmented session's."""
+
+    def __init__(self, owner: ChainCalibrator):
+        self.owner = owner
+
+    def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        self.owner.reader.inbox.put(feeds)
+        out = self.owner.outbox.get()
+        if isinstance(out, BaseException):
+            raise out
+        by_name = dict(zip(self.owner.output_names, out, strict=True))
+        return [by_name[n] for n in names]
+
+
+class RangeCollector:
+    """The KV and cross-part ranges (CalibratedRanges) from the chain's outputs, as an observer.
+
+    Min and max of every owner layer's new K and V entries (with 0: an empty cache slot holds zeros)
+    and of every cross-part tensor. Prefill calls over whole samples suffice: a token's K/V depend only
+    on the tokens before it, so decode steps over the same text produce the same entries. Cross-part
+    tensors are taken whole (padding rows too): the next part quantizes all of them."""
+
+    def __init__(self):
+        self.kv: dict[tuple[str, int], list[float]] = {}
+        self.boundary: dict[str, list[float]] = {}
+
+    @staticmethod
+    def _widen(store: dict, key: Any, value: np.ndarray) -> None:
+        lo, hi = store.get(key, [0.0, 0.0])
+        store[key] = [min(lo, float(value.min())), max(hi, float(value.max()))]
+
+    def observe(self, _spec: GraphSpec, _feeds: Any, outputs: dict[str, np.ndarray], n: int) -> None:
+        for name, value in outputs.items():
+            m = CACHE_TENSOR.match(name)
+            if m:
+                new = value[..., :n] if "_key_" in name else value[..., :n, :]  # the real tokens only
+                self._widen(self.kv, (m.group(1), int(m.group(2))), new)
+            elif BOUNDARY_TENSOR.match(name):
+                self._widen(self.boundary, name, value)
+
+    def ranges(self) -> CalibratedRanges:
+        return CalibratedRanges(
+            kv={k: (v[0], v[1]) for k, v in self.kv.items()},
+            boundary={k: (v[0], v[1]) for k, v in self.boundary.items()},
+        )
+
+
+def calibrate_kind(
+    cfg: PipelineConfig,
+    runner,
+    role: str,
+    samples: list[list[int]],
+    decode_steps: int,
+    scratch: Path,
+    calibration_providers: list[str] | None = None,
+    method: str = "minmax",
+    stride: int | None = None,
+    collector: RangeCollector | None = None,
+) -> dict[str, tuple[Path, int, int | None]]:
+    """Calibrate every graph of one kind in one pass of the float chain; per graph name: its ranges
+    file (onnxruntime's calibration cache), how many calls it saw and its stride. The inputs each graph
+    sees are those of `stages.calibration.graph_feeds`: prefill graphs the samples in AR chunks, decode
+    graphs real decode steps after a prefill of each sample's beginning (whose caches are kept; the
+    prefill graphs are released before the decode graphs load, as a full copy of the weights each)."""
+    import onnx
+    from tqdm import tqdm
+
+    from stages.calibration import calls, decode_split
+
+    expected = calls(samples, role, runner.prefill_ar, decode_steps)
+    states: list[tuple[Any, list[int]]] = []
+    if role == "decode":
+        for sample in samples:
+            head, tail = decode_split(sample, decode_steps)
+            runner.reset()
+            for i in range(0, len(head), runner.prefill_ar):
+                runner.step(head[i : i + runner.prefill_ar], role="prefill")
+            states.append((runner.snapshot(), tail))
+        runner.release("prefill")
+    calibrators: dict[str, ChainCalibrator] = {}
+    try:
+        for spec, src in tqdm(
+            runner.graphs[role], desc=f"load {role} calibrators", unit="graph", leave=False
+        ):
+            work = scratch / spec.name
+            work.mkdir(parents=True)
+            copy_graph(src, work)
+            # Which tensors get calibrated follows which nodes are quantized (the excluded PLE paths get
+            # none); the overrides only replace ranges afterwards, so no ranges are needed yet.
+            excluded = excluded_nodes(cfg, analyse(onnx.load(str(src), load_external_data=False)))
+            qcfg = qnn_config(
+                work / src.name,
+                None,
+                None,
+                excluded,
+                calibration_providers,
+                method,
+                graph_stride(stride, expected),
+            )
+            calibrators[spec.name] = ChainCalibrator(
+                work / src.name, qcfg, expected, work, work / "ranges.json"
+            )
+            runner.use_session(src, calibrators[spec.name].session)
+            # Its session holds what it needs: drop the copy and the augmented graph (a part's weights
+            # each), so the scratch space is that of one graph, not of every graph of the kind.
+            for f in list(work.iterdir()):
+                f.unlink()
+        runner.observer = collector.observe if collector else None
+        with tqdm(total=expected, desc=f"calibrate {role} graphs", unit="call", leave=False) as progress:
+            if role == "prefill":
+                for sample in samples:
+                    runner.reset()
+                    for i in range(0, len(sample), runner.prefill_ar):
+                        runner.step(sample[i : i + runner.prefill_ar], role="prefill")
+                        progress.update()
+            else:
+                for state, tail in states:
+                    runner.restore(state)
+                    for tok in tail:
+                        if runner.position + 1 > runner.context:
+                            break
+                        runner.step([tok], role="decode")
+                        progress.update()
+        for cal in calibrators.values():
+            cal.finish()
+    finally:
+        runner.observer = None
+        runner.release(role)
+        for cal in calibrators.values():
+            if cal.thread.is_alive():
+                cal.reader.inbox.put(None)  # a failed pass: let the calibrator threads end
+    return {
+        name: (cal.ranges_file, cal.reader.count, cal.stride or None) for name, cal in calibrators.items()
+    }
 
 
 # ---- the stage ----
@@ -976,6 +1250,11 @@ def quantize_graphs(
     method: str = "minmax",
     stride: int | None = None,
 ) -> QuantizedGraphs:
+    """Calibrate every graph (one chain pass per graph kind), then quantize, rewrite the weights to the
+    precision's scheme and audit each graph. The prefill pass also fixes the KV and cross-part ranges
+    that every graph shares, so prefill graphs are quantized before the decode pass runs."""
+    import shutil
+
     import onnx
     from tqdm import tqdm
 
@@ -983,63 +1262,76 @@ def quantize_graphs(
 
     runner = HostRunner.from_export(export_dir, luts=True)
     luts = read_report(export_dir)["figures"]["luts"]
-    ranges = calibrated_ranges(runner, samples)
-    result = QuantizedGraphs(
-        paths={},
-        kv_ranges={f"{k}_{layer}": list(v) for (k, layer), v in sorted(ranges.kv.items())},
-        boundary_ranges={k: list(v) for k, v in sorted(ranges.boundary.items())},
+    result: QuantizedGraphs | None = None
+    progress = tqdm(
+        total=sum(len(g) for g in runner.graphs.values()), desc=f"quantize ({cfg.ple_policy})", unit="graph"
     )
-    graphs = [sp for role in runner.graphs for sp in runner.graphs[role]]
-    for spec, src in tqdm(graphs, desc=f"quantize ({cfg.ple_policy})", unit="graph"):
-        setup = graph_quant_config(
-            cfg,
-            runner,
-            spec,
-            src,
-            ranges,
-            luts,
-            samples,
-            decode_steps,
-            calibration_providers,
-            method,
-            stride,
-        )
-        qcfg, analysis, reader = setup.qcfg, setup.analysis, setup.reader
-        dest = out_dir / qdq_file_name(spec.name)
-        t0 = time.perf_counter()
-        # Scratch inside this stage's own folder; onnxruntime writes a shape-inferred copy next to
-        # the graph it reads, so it reads the graph through links there, never in exported/.
+    for role in ("prefill", "decode"):
+        if role not in runner.graphs:
+            continue
+        # Scratch inside this stage's own folder (augmented graphs, ranges, links to the float graphs).
         with tempfile.TemporaryDirectory(prefix=".calibration-", dir=out_dir) as tmp:
-            ranges_file = Path(tmp) / "ranges.json"
-            for f in src.parent.glob(f"{src.name}*"):
-                (Path(tmp) / f.name).symlink_to(f.resolve())
-            linked = Path(tmp) / src.name
-            calibrate(linked, qcfg, ranges_file, Path(tmp))
-            # The float chain's sessions fed the calibration; the quantizer needs none of them.
-            runner.release("prefill")
-            runner.release("decode")
-            quantize_with_ranges(linked, dest, qcfg, ranges_file)
-        if cfg.precision_info.decoder_weights != INT8_CHANNEL:
-            rewrite_weights(cfg, src, dest)
-        qmodel = onnx.load(str(dest), load_external_data=False)
-        lut_inputs = lut_input_encodings(luts, {i.name for i in qmodel.graph.input})
-        if read_lut_inputs_quantized(qmodel, lut_inputs):
-            # Weights stay where they are: an external-data graph keeps its references to the same file.
-            onnx.save(qmodel, str(dest))
-        checked = audit(cfg, qmodel, analysis, lut_inputs)
-        result.problems += [f"{spec.name}: {p}" for p in checked["problems"]]
-        result.paths[spec.name] = dest
-        result.figures.append(
-            {
-                "name": spec.name,
-                "qdq_onnx": dest.name,
-                "calibration_calls": reader.count,
-                "calibration_stride": setup.stride,
-                "quantize_s": round(time.perf_counter() - t0, 3),
-                "kv_layers": sorted(f"{k}_{layer}" for k, layer in analysis.kv_groups),
-                "audit": checked,
-            }
-        )
+            collector = RangeCollector() if role == "prefill" else None
+            t0 = time.perf_counter()
+            calibrated = calibrate_kind(
+                cfg,
+                runner,
+                role,
+                samples,
+                decode_steps,
+                Path(tmp),
+                calibration_providers,
+                method,
+                stride,
+                collector,
+            )
+            share = (time.perf_counter() - t0) / len(calibrated)  # the pass's time, split evenly
+            if collector is not None:
+                ranges = collector.ranges()
+                result = QuantizedGraphs(
+                    paths={},
+                    kv_ranges={f"{k}_{layer}": list(v) for (k, layer), v in sorted(ranges.kv.items())},
+                    boundary_ranges={k: list(v) for k, v in sorted(ranges.boundary.items())},
+                )
+            for spec, src in runner.graphs[role]:
+                t0 = time.perf_counter()
+                ranges_file, count, graph_stride_used = calibrated[spec.name]
+                model = onnx.load(str(src), load_external_data=False)
+                analysis = analyse(model)
+                io_names = {t.name for t in (*model.graph.input, *model.graph.output)}
+                del model
+                overrides, excluded = quant_settings(cfg, analysis, ranges, io_names, luts)
+                linked = copy_graph(src, Path(tmp) / spec.name / "quantize")
+                qcfg = qnn_config(
+                    linked, None, overrides, excluded, calibration_providers, method, graph_stride_used
+                )
+                dest = out_dir / qdq_file_name(spec.name)
+                quantize_with_ranges(linked, dest, qcfg, ranges_file)
+                shutil.rmtree(linked.parent)
+                if cfg.precision_info.decoder_weights != INT8_CHANNEL:
+                    rewrite_weights(cfg, src, dest)
+                qmodel = onnx.load(str(dest), load_external_data=False)
+                lut_inputs = lut_input_encodings(luts, {i.name for i in qmodel.graph.input})
+                if read_lut_inputs_quantized(qmodel, lut_inputs):
+                    # Weights stay where they are: an external-data graph keeps its references.
+                    onnx.save(qmodel, str(dest))
+                checked = audit(cfg, qmodel, analysis, lut_inputs)
+                result.problems += [f"{spec.name}: {p}" for p in checked["problems"]]
+                result.paths[spec.name] = dest
+                result.figures.append(
+                    {
+                        "name": spec.name,
+                        "qdq_onnx": dest.name,
+                        "calibration_calls": count,
+                        "calibration_stride": graph_stride_used,
+                        "quantize_s": round(share + time.perf_counter() - t0, 3),
+                        "kv_layers": sorted(f"{k}_{layer}" for k, layer in analysis.kv_groups),
+                        "audit": checked,
+                    }
+                )
+                progress.update()
+    progress.close()
+    assert result is not None  # every export has prefill graphs
     return result
 
 
@@ -1052,7 +1344,9 @@ def _quality(cfg, export_dir: Path, q: QuantizedGraphs, eval_samples, decode_ste
     )
     chains = compare_chains(fp, quantized, eval_samples, decode_steps)
     prefill = {name: p for name, p in q.paths.items() if name.startswith("prefill")}
-    return {**chains, "sqnr_db": output_sqnr(fp, prefill, eval_samples[:1])}
+    # One sample's first SQNR_TOKENS: the per-graph SQNR reruns the float chain up to each graph, which
+    # at AR-1 is a part call per token per graph (the whole tiny sample; a quarter of an E2B one).
+    return {**chains, "sqnr_db": output_sqnr(fp, prefill, [eval_samples[0][:SQNR_TOKENS]])}
 
 
 def _guarded(fn, *args):

@@ -308,6 +308,11 @@ class HostRunner:
             )
         return self._sessions[path]
 
+    def use_session(self, path: Path, session: Any) -> None:
+        """Run `session` (anything with onnxruntime's run(names, feeds)) for the graph at `path` until
+        its kind is released: the quantize stage's calibrators stand in for the graphs this way."""
+        self._sessions[path] = session
+
     def load(self, role: str) -> None:
         """Build the sessions of one graph kind now (so timings do not include loading)."""
         for _, path in self.graphs.get(role, []):

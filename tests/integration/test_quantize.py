@@ -237,6 +237,61 @@ def test_two_step_quantize_equals_onnxruntimes_one_call(exported, tmp_path, meth
     assert results[0] == results[1]
 
 
+@pytest.mark.parametrize("method, stride", [("minmax", None), ("entropy", 4)])
+def test_one_chain_pass_calibrates_every_graph_as_graph_by_graph(exported, tmp_path, method, stride):
+    """The stage calibrates all graphs of a kind in one pass of the float chain (issue 15: 4 part calls
+    per token instead of 10 plus a pass for the KV ranges, for 4 parts). Every graph's ranges must be
+    those of calibrating it alone, where the chain runs parts 1..k for it: same calls, same order."""
+    import json
+
+    from stages.calibration import load_texts, token_samples
+    from stages.chat import ChatTokenizer
+    from stages.quantize import (
+        RangeCollector,
+        calibrate,
+        calibrate_kind,
+        calibrated_ranges,
+        graph_quant_config,
+    )
+    from stages.report import read_report
+
+    cfg = load_config("tiny")
+    tok = ChatTokenizer(exported / "checkpoints" / "tiny")
+    samples = token_samples(load_texts(cfg, "calibration"), tok.encode, 2, 2, 128)
+    luts = read_report(exported / "exported")["figures"]["luts"]
+    runner = HostRunner.from_export(exported / "exported", luts=True)
+    reference_ranges = calibrated_ranges(runner, samples)
+    collector = RangeCollector()
+    for role in ("prefill", "decode"):
+        shared = calibrate_kind(
+            cfg,
+            runner,
+            role,
+            samples,
+            16,
+            tmp_path / role,
+            method=method,
+            stride=stride,
+            collector=collector if role == "prefill" else None,
+        )
+        assert set(shared) == {spec.name for spec, _ in runner.graphs[role]}
+        for spec, src in runner.graphs[role]:
+            setup = graph_quant_config(
+                cfg, runner, spec, src, reference_ranges, luts, samples, 16, method=method, stride=stride
+            )
+            alone = tmp_path / f"alone-{spec.name}"
+            alone.mkdir()
+            calibrate(src, setup.qcfg, alone / "ranges.json", alone)
+            ranges_file, calls, used_stride = shared[spec.name]
+            assert calls == setup.reader.count and used_stride == setup.stride
+            import shutil
+
+            shutil.copy(ranges_file, f"/tmp/sh-{spec.name}.json")
+            shutil.copy(alone / "ranges.json", f"/tmp/al-{spec.name}.json")
+            assert json.loads(ranges_file.read_text()) == json.loads((alone / "ranges.json").read_text())
+    assert collector.ranges() == reference_ranges
+
+
 def test_folded_weights_keep_the_evaluation_figures(sm8450):
     """The quality evaluation folds every weight's DequantizeLinear once at load (issue 15: an hour
     of E2B evaluation was onnxruntime dequantizing int8 weights on every decode call). The folded
@@ -263,3 +318,31 @@ def test_folded_weights_keep_the_evaluation_figures(sm8450):
         assert plain.shape == folded.shape
         assert (plain.argmax(-1) == folded.argmax(-1)).all()
         assert np.abs(plain - folded).max() <= 2e-4 * (plain.max() - plain.min())
+
+
+def test_calibration_reads_external_data_graphs_from_its_copies(exported, tmp_path):
+    """E2B parts keep their weights in an external-data file, and onnx refuses external data behind a
+    symbolic link (or with several hard links): the quantize stage's scratch links once crashed the
+    E2B bench at its first calibrator. The tiny graphs are single files, so this re-saves one the E2B
+    way and calibrates it from the stage's scratch copy."""
+    import onnx
+    import pytest as _pytest
+
+    from stages.quantize import copy_graph, new_calibrator, qnn_config
+
+    src_model = onnx.load(str(next((exported / "exported").glob("prefill_*part1*.onnx"))))
+    big = tmp_path / "exported" / "graph.onnx"
+    big.parent.mkdir()
+    onnx.save(src_model, str(big), save_as_external_data=True, location="graph.onnx.data", size_threshold=0)
+    assert (big.parent / "graph.onnx.data").stat().st_size > 0
+    copied = copy_graph(big, tmp_path / "scratch")
+    assert sorted(p.name for p in copied.parent.iterdir()) == ["graph.onnx", "graph.onnx.data"]
+    calibrator = new_calibrator(copied, qnn_config(copied, None), copied.parent)
+    assert calibrator.infer_session is not None
+    # The symbolic-link form is what onnx refuses.
+    sym = tmp_path / "sym"
+    sym.mkdir()
+    for f in big.parent.iterdir():
+        (sym / f.name).symlink_to(f)
+    with _pytest.raises(Exception, match="symbolic link"):
+        new_calibrator(sym / big.name, qnn_config(sym / big.name, None), sym)
