@@ -111,13 +111,16 @@ G4V69_FIELD_ENV := $(foreach v,$(filter-out G4V69_PROMPT,$(filter G4V69_%,$(.VAR
 CONFIG_NAMES    := $(shell $(G4V69_FIELD_ENV) $(PYTHON) -m stages.config --preset '$(PRESET)' \
   $(call opt,model,$(MODEL)) $(CONFIG_OPTS) $(if $(FROM),--from '$(abspath $(FROM))'))
 CHECKPOINT_NAME := $(word 2,$(CONFIG_NAMES))
-CHECKPOINT_DIR  = $(WD)/checkpoints/$(CHECKPOINT_NAME)
+# Each stage's output folder, in stage order, from the stage table (stages/pipeline.py).
+STAGE_FOLDERS   := $(shell $(PYTHON) -m stages.pipeline folders)
+folder          = $(word $(1),$(STAGE_FOLDERS))
+CHECKPOINT_DIR  = $(WD)/$(call folder,1)/$(CHECKPOINT_NAME)
 DOWNLOAD_REPORT = $(CHECKPOINT_DIR)/report.json
-EXPORT_REPORT   = $(WD)/exported/report.json
-QUANTIZE_REPORT = $(WD)/quantized/report.json
-COMPILE_REPORT  = $(WD)/compiled/report.json
-BUNDLE_REPORT   = $(WD)/genie_bundle/report.json
-VERIFY_REPORT   = $(WD)/verify/report.json
+EXPORT_REPORT   = $(WD)/$(call folder,2)/report.json
+QUANTIZE_REPORT = $(WD)/$(call folder,3)/report.json
+COMPILE_REPORT  = $(WD)/$(call folder,4)/report.json
+BUNDLE_REPORT   = $(WD)/$(call folder,5)/report.json
+VERIFY_REPORT   = $(WD)/$(call folder,6)/report.json
 # (A config the module refuses names nothing; the stage then says why and writes nothing.)
 stamp = $(STAMP_DIR)/$(or $(word $(1),$(CONFIG_NAMES)),no-config-$(1))
 DOWNLOAD_STAMP  = $(call stamp,3)
@@ -262,9 +265,9 @@ lint: $(VENV)/.installed ## ruff over the package and tests
 	'$(VENV)/bin/ruff' check stages tests docker
 
 clean: ## remove stage outputs under WORKDIR (not checkpoints and their stamps, images or the wheelhouse)
-	rm -rf '$(WORKDIR)/exported' '$(WORKDIR)/quantized' '$(WORKDIR)/compiled' '$(WORKDIR)/verify'
+	rm -rf $(foreach i,2 3 4 6,'$(WORKDIR)/$(call folder,$(i))')
 	rm -f '$(WORKDIR)/.g4v69/aihub_jobs.json' $(foreach s,export quantize compile bundle,'$(WORKDIR)/.g4v69/'$(s)-*.json)
-	$(PYTHON) -m stages.report clean '$(WORKDIR)' '$(WORKDIR)/checkpoints'
-	find '$(WORKDIR)/genie_bundle' -mindepth 1 ! -name README.md -exec rm -rf {} + 2>/dev/null || true
+	$(PYTHON) -m stages.report clean '$(WORKDIR)' '$(WORKDIR)/$(call folder,1)'
+	find '$(WORKDIR)/$(call folder,5)' -mindepth 1 ! -name README.md -exec rm -rf {} + 2>/dev/null || true
 
 FORCE:

@@ -47,15 +47,18 @@ def _backoff_seconds() -> float:
     return float(os.environ.get("G4V69_AIHUB_BACKOFF_S", "5"))
 
 
+class AihubError(ValueError):
+    """An AI Hub setup or job failed in a way the user can act on; the message says how (the compile
+    stage reports it as its own error)."""
+
+
 class AiHub:
     """The `qai_hub` calls the stage makes, with its error handling: rate limits back off and retry,
-    internal errors retry a few times, user errors become CompileErrors that say what to do."""
+    internal errors retry a few times, user errors become AihubErrors that say what to do."""
 
     def __init__(self, hub: Any):
-        from stages.compile import CompileError
-
         self.hub = hub
-        self.error = CompileError
+        self.error = AihubError
         token = os.environ.get("QAI_HUB_API_TOKEN", "").strip()
         ini = Path(os.environ.get("QAIHUB_CLIENT_INI", Path.home() / ".qai_hub" / "client.ini"))
         if token:
@@ -63,7 +66,7 @@ class AiHub:
         elif ini.is_file():
             self.client = hub.Client()
         else:
-            raise CompileError(
+            raise AihubError(
                 "COMPILER=aihub needs an AI Hub API token: set QAI_HUB_API_TOKEN (from "
                 "https://app.aihub.qualcomm.com/account) or run `qai-hub configure --api_token TOKEN`; "
                 f"no token in the environment and no {ini}"
@@ -154,9 +157,7 @@ def compile_aihub(
         try:
             import qai_hub as hub
         except ImportError:
-            from stages.compile import CompileError
-
-            raise CompileError("COMPILER=aihub needs the qai-hub package: run in the compile image") from None
+            raise AihubError("COMPILER=aihub needs the qai-hub package: run in the compile image") from None
     soc = cfg.soc_info
     api = AiHub(hub)
     device = api.device(soc.name, soc.aihub_device, soc.aihub_chipset)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.config import PipelineConfig
+from stages.pipeline import output_dir
 from stages.report import proc_field_bytes, read_report
 
 STAGES = ("download", "export", "quantize", "compile")
@@ -24,12 +25,7 @@ GIB = 2**30
 
 
 def _stage_dirs(cfg: PipelineConfig, workdir: Path) -> dict[str, Path]:
-    return {
-        "download": workdir / "checkpoints" / cfg.checkpoint_name,
-        "export": workdir / "exported",
-        "quantize": workdir / "quantized",
-        "compile": workdir / "compiled",
-    }
+    return {name: output_dir(workdir, name, cfg.checkpoint_name) for name in STAGES}
 
 
 def _machine() -> dict[str, Any]:
@@ -66,13 +62,13 @@ def collect(cfg: PipelineConfig, workdir: Path, plan: dict[str, Any] | None = No
             "outputs": {f["path"]: f["bytes"] for f in report["outputs"]},
         }
     graphs: dict[str, dict[str, Any]] = {}
-    export = read_report(workdir / "exported")
+    export = read_report(output_dir(workdir, "export"))
     for g in (export or {}).get("figures", {}).get("graphs", []):
         graphs.setdefault(g["name"], {}).update(export_s=g.get("export_s"), onnx_bytes=g.get("bytes"))
-    quant = read_report(workdir / "quantized")
+    quant = read_report(output_dir(workdir, "quantize"))
     for g in (quant or {}).get("figures", {}).get("graphs", []):
         graphs.setdefault(g["name"], {}).update(quantize_s=g.get("quantize_s"))
-    compiled = read_report(workdir / "compiled")
+    compiled = read_report(output_dir(workdir, "compile"))
     for b in (compiled or {}).get("figures", {}).get("binaries", []):
         for g in b["graphs"]:
             graphs.setdefault(g["name"], {}).update(

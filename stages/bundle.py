@@ -23,9 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from stages.config import PipelineConfig, stage_fields
-from stages.contract import CACHE_PREFIX, LUT_INPUTS, MASK_NAME, ROPE_PREFIX
+from stages.contract import (
+    CACHE_PREFIX,
+    GENIE_LUT_DATATYPES,
+    GENIE_LUT_LIMIT_BYTES,
+    GENIE_LUT_SECTION,
+    LOGITS,
+    LUT_INPUTS,
+    MASK_NAME,
+    ROPE_PREFIX,
+    rope_name,
+)
 from stages.encoding import COPY, Encoding, feed_mode, shared_tensor_mismatches
 from stages.geometry import FULL, SLIDING
+from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, check_inputs, copy_file, read_report, sha256_file, stage_output
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -34,16 +45,12 @@ HTP_EXT_CONFIG = "htp_backend_ext_config.json"
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
-# Genie reads LUT sizes as uint32.
-LUT_LIMIT_BYTES = 2**32 - 1
 # Gemma 4's published sampling defaults (its generation_config.json), used when a checkpoint
 # carries none: the tiny model's has only token ids.
 GEMMA_SAMPLER = {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
 # Genie on the phone: 3 threads on the big cores (0xe0: cores 5-7 of 8).
 ENGINE_THREADS = 3
 ENGINE_CPU_MASK = "0xe0"
-LUT_DATATYPES = {8: "ufixed8", 16: "ufixed16"}
-GENIE_LUT_KEYS = {"embedding": "embedding", "per_layer_embedding": "perlayer-embedding"}
 
 
 class BundleError(ValueError):
@@ -80,7 +87,7 @@ def render_context(
     eos_ids = stop_token_ids(checkpoint_dir)
     bos = gen.get("bos_token_id", geo.config.get("bos_token_id"))
     pad = gen.get("pad_token_id", geo.config.get("pad_token_id", 0))
-    logits = _first(io, "outputs", "logits")
+    logits = _first(io, "outputs", LOGITS)
     mask = _first(io, "inputs", MASK_NAME[FULL])
     # A key cache input is (1, 1, head_dim, kv_len): its head_dim is the group's kv-dim.
     groups = []
@@ -101,7 +108,7 @@ def render_context(
     ropes = []
     for attention in (FULL, SLIDING):
         prefix = ROPE_PREFIX[attention]
-        cos = _first(io, "inputs", f"{prefix}position_ids_cos")
+        cos = _first(io, "inputs", rope_name(attention, "cos"))
         params = rope_params[attention]
         scaling = None
         if params.get("rope_type", "default") != "default":
@@ -114,10 +121,10 @@ def render_context(
         )
     luts = {}
     for key, lut in export_report["figures"]["luts"].items():
-        luts[GENIE_LUT_KEYS[key]] = {
+        luts[GENIE_LUT_SECTION[key]] = {
             "path": Path(lut["path"]).name,
             "size": lut["size"],
-            "datatype": LUT_DATATYPES[lut["bits"]],
+            "datatype": GENIE_LUT_DATATYPES[lut["bits"]],
             "scale": lut["scale"],
             "offset": lut["offset"],
             "source": lut["path"],
@@ -228,7 +235,7 @@ def lut_feeds(genie: dict[str, Any], io: dict[str, dict[str, dict[str, Any]]]) -
     d = genie["dialog"]
     feeds = []
     for tensor, lut_key in LUT_INPUTS.items():
-        section = d.get(GENIE_LUT_KEYS[lut_key])
+        section = d.get(GENIE_LUT_SECTION[lut_key])
         if section is None:
             continue
         lut = Encoding(section["datatype"], section["quant-param"]["scale"], section["quant-param"]["offset"])
@@ -237,7 +244,7 @@ def lut_feeds(genie: dict[str, Any], io: dict[str, dict[str, dict[str, Any]]]) -
                 enc = Encoding.of_io(gio["inputs"][tensor])
                 feeds.append(
                     {
-                        "lut": GENIE_LUT_KEYS[lut_key],
+                        "lut": GENIE_LUT_SECTION[lut_key],
                         "tensor": tensor,
                         "graph": graph,
                         "lut_encoding": lut.describe(),
@@ -266,7 +273,7 @@ def consistency_errors(
         if group["attention-mask-tensor-name"] not in inputs:
             errors.append(f"attention mask {group['attention-mask-tensor-name']!r} is no graph input")
     for tensor, lut_key in LUT_INPUTS.items():
-        key = GENIE_LUT_KEYS[lut_key]
+        key = GENIE_LUT_SECTION[lut_key]
         lut = d.get(key)
         if lut is None:
             continue
@@ -275,7 +282,7 @@ def consistency_errors(
             errors.append(f"{key} lut-path {lut['lut-path']} is not in the bundle")
             continue
         size = path.stat().st_size
-        if size > LUT_LIMIT_BYTES:
+        if size > GENIE_LUT_LIMIT_BYTES:
             errors.append(
                 f"{key} LUT {lut['lut-path']} is {size / 2**30:.2f} GiB; Genie reads sizes as uint32 "
                 "(< 4 GiB): use ple_lut_bits=8"
@@ -349,7 +356,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     """The whole stage; returns its report. A bad input raises BundleError and writes nothing."""
     from stages.chat import chat_template, join_adjacent_string_literals
 
-    compiled_dir, export_dir = workdir / "compiled", workdir / "exported"
+    compiled_dir, export_dir = output_dir(workdir, "compile"), output_dir(workdir, "export")
     compiled = read_report(compiled_dir)
     if compiled is None:
         raise BundleError(
@@ -401,7 +408,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
     tok_cfg["chat_template"] = join_adjacent_string_literals(chat_template(checkpoint_dir))
     download = read_report(checkpoint_dir) or {}
-    out_dir = workdir / "genie_bundle"
+    out_dir = output_dir(workdir, "bundle")
     options = {"model": cfg.model, "soc": cfg.soc, **{k: getattr(cfg, k) for k in stage_fields("bundle")}}
     inputs = [compiled_dir / REPORT_NAME, export_dir / REPORT_NAME, *files.values()]
     need = sum(p.stat().st_size for p in files.values())
@@ -411,7 +418,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
         _write_json(run.dir / GENIE_CONFIG, genie)
         _write_json(run.dir / HTP_EXT_CONFIG, htp_ext)
         _write_json(run.dir / TOKENIZER_CONFIG, tok_cfg)
-        keep_readme = workdir / "genie_bundle" / "README.md"
+        keep_readme = out_dir / "README.md"
         if keep_readme.is_file():
             shutil.copy2(keep_readme, run.dir / "README.md")
         listed = sorted(p for p in run.dir.iterdir() if p.name not in (MANIFEST, REPORT_NAME, "README.md"))
@@ -435,7 +442,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
                 stage: (read_report(d) or {}).get("tool_versions", {})
                 for stage, d in (
                     ("export", export_dir),
-                    ("quantize", workdir / "quantized"),
+                    ("quantize", output_dir(workdir, "quantize")),
                     ("compile", compiled_dir),
                 )
             },

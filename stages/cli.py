@@ -27,10 +27,10 @@ from stages.config import (
 )
 from stages.geometry import GeometryError, builtin_geometry, load_geometry
 from stages.graphs import PartitionError
+from stages.pipeline import output_dir
 from stages.quiet import quiet_libraries
 from stages.report import (
     REPORT_NAME,
-    STAGE_DIRS,
     DiskSpaceError,
     IntegrityError,
     write_json_atomic,
@@ -88,12 +88,12 @@ class Context:
     workdir: Path
 
     def checkpoint_dir(self) -> Path:
-        return self.workdir / STAGE_DIRS["download"] / self.config.checkpoint_name
+        return output_dir(self.workdir, "download", self.config.checkpoint_name)
 
     def stage_done(self, stage: str) -> None:
         """Stamp a stage that has just finished (see the Makefile's stage rules): only on success,
         keyed by the config, so a run with another config neither removes nor reuses it."""
-        out = self.checkpoint_dir() if stage == "download" else self.workdir / STAGE_DIRS[stage]
+        out = output_dir(self.workdir, stage, self.config.checkpoint_name)
         content = {"stage": stage, "config": stage_key(self.config, stage)}
         write_stamp(self.workdir, stamp_name(self.config, stage), content, out / REPORT_NAME)
 
@@ -225,7 +225,7 @@ def generate(
     from stages.report import read_report
     from stages.runner import HostRunner, RunnerError, Sampling
 
-    export_dir = obj.workdir / "exported"
+    export_dir = output_dir(obj.workdir, "export")
     if read_report(export_dir) is None:
         raise UserError(f"{export_dir} holds no finished export; run `make export` first")
     try:
@@ -385,11 +385,11 @@ def _echo_bundle_limits(obj: Context) -> None:
     from stages.report import read_report
 
     cfg = obj.config
-    compiled = read_report(obj.workdir / "compiled")
-    exported = read_report(obj.workdir / "exported")
+    compiled = read_report(output_dir(obj.workdir, "compile"))
+    exported = read_report(output_dir(obj.workdir, "export"))
     geo = load_geometry(obj.checkpoint_dir() / "config.json")
     luts = sum(
-        (obj.workdir / "exported" / lut["path"]).stat().st_size
+        (output_dir(obj.workdir, "export") / lut["path"]).stat().st_size
         for lut in exported["figures"]["luts"].values()
     )
     checks = built_limits(make_plan(geo, cfg), cfg, compiled["figures"]["binaries"], luts)
@@ -484,7 +484,7 @@ def _device_args(obj: Context) -> tuple[Path, str | None, str]:
     import os
     import shutil
 
-    bundle_dir = obj.workdir / STAGE_DIRS["bundle"]
+    bundle_dir = output_dir(obj.workdir, "bundle")
     if not (bundle_dir / "manifest.json").is_file():
         raise UserError(f"{bundle_dir} holds no bundle (no manifest.json); run `make bundle` first")
     adb = os.environ.get("G4V69_ADB") or shutil.which("adb") or "adb"

@@ -35,10 +35,12 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from stages.aihub import AihubError, compile_aihub
 from stages.config import PipelineConfig, stage_fields
 from stages.contract import CACHE_PREFIX
 from stages.encoding import ONNX_TYPE_NAMES, shared_tensor_mismatches
 from stages.graphs import Binary, binary_layout, qdq_file_name
+from stages.pipeline import output_dir
 from stages.quiet import call_without_native_noise
 from stages.report import (
     REPORT_NAME,
@@ -450,7 +452,7 @@ def check_binary(path: Path, soc: Soc, io_names: list[str]) -> dict[str, Any]:
 
 # ---- the stage ----
 def _load_quantized(cfg: PipelineConfig, workdir: Path) -> tuple[Path, dict[str, Any], dict[str, Path]]:
-    q_dir = workdir / "quantized"
+    q_dir = output_dir(workdir, "quantize")
     report = read_report(q_dir)
     if report is None:
         raise CompileError(
@@ -497,7 +499,7 @@ def run_compile(
     q_dir, q_report, sources = _load_quantized(cfg, workdir)
     check_inputs(workdir, [q_dir])
     layout = binary_layout(cfg)
-    out_dir = workdir / "compiled"
+    out_dir = output_dir(workdir, "compile")
     options = {"model": cfg.model, "soc": cfg.soc, **{k: getattr(cfg, k) for k in stage_fields("compile")}}
     inputs = [q_dir / REPORT_NAME, *sources.values()]
     # Prepared copies of the graphs, then binaries of about their size.
@@ -526,10 +528,11 @@ def run_compile(
             figures = _compile_all_local(soc, layout, paths, run.dir, workers, tqdm)
             backend = {"name": "local", "qairt_version": qairt, "parallel": workers}
         else:
-            from stages.aihub import compile_aihub
-
             ledger = workdir / ".g4v69" / "aihub_jobs.json"
-            figures, qairt = compile_aihub(cfg, layout, paths, run.dir, ledger, aihub_module)
+            try:
+                figures, qairt = compile_aihub(cfg, layout, paths, run.dir, ledger, aihub_module)
+            except AihubError as e:
+                raise CompileError(str(e)) from None
             shutil.copy2(ledger, run.dir / "aihub_jobs.json")
             backend = {"name": "aihub", "qairt_version": qairt, "device": soc.aihub_device}
         shutil.rmtree(prepared_dir)

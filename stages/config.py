@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from stages.pipeline import STAGE_NAMES
 from stages.precision import PRECISIONS, Precision
 from stages.soc import SOCS, Soc, get_soc
 
@@ -37,9 +38,10 @@ class ConfigError(ValueError):
         super().__init__(f"config field '{field_name}': {message}")
 
 
-# Stages in pipeline order. Each config field names the first stage whose output it changes;
-# later stages see the change through that stage's report, so Make redoes exactly what is stale.
-STAGES = ("download", "export", "quantize", "compile", "bundle", "verify")
+# Stages in pipeline order (the stage table, stages/pipeline.py). Each config field names the first
+# stage whose output it changes; later stages see the change through that stage's report, so Make
+# redoes exactly what is stale.
+STAGES = STAGE_NAMES
 
 
 def _meta(stage: str, doc: str) -> dict[str, str]:

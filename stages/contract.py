@@ -123,11 +123,25 @@ def kvshare_name(donor: int, which: str) -> str:
     return f"{KVSHARE_PREFIX}{which}_{donor}"
 
 
+def rope_name(attention: str, which: str) -> str:
+    """`position_ids_cos`, `swa_position_ids_sin`: which is cos|sin."""
+    return f"{ROPE_PREFIX[attention]}position_ids_{which}"
+
+
 PER_LAYER_EMBEDS = "per_layer_embeds"
 INPUTS_EMBEDS = "inputs_embeds"
 PER_LAYER_INPUTS = "per_layer_inputs"
+LOGITS = "logits"
 # Graph inputs Genie fills from a host LUT, and the export report's key of that LUT.
 LUT_INPUTS = {INPUTS_EMBEDS: "embedding", PER_LAYER_INPUTS: "per_layer_embedding"}
+# ---- Genie's side of the contract ----
+# The genie_config.json dialog section of each LUT (by the export report's key).
+GENIE_LUT_SECTION = {"embedding": "embedding", "per_layer_embedding": "perlayer-embedding"}
+# LUT entry datatypes Genie reads, by bits, and their bytes per entry.
+GENIE_LUT_DATATYPES = {8: "ufixed8", 16: "ufixed16"}
+GENIE_LUT_BYTES = {name: bits // 8 for bits, name in GENIE_LUT_DATATYPES.items()}
+# Genie reads a LUT's size as uint32: the largest LUT file it can take.
+GENIE_LUT_LIMIT_BYTES = 2**32 - 1
 
 
 def constructed_input_ranges() -> dict[str, tuple[float, float]]:
@@ -137,8 +151,8 @@ def constructed_input_ranges() -> dict[str, tuple[float, float]]:
     with one encoding: Genie keeps one buffer per tensor name and refuses to load graphs whose
     encodings of a name differ."""
     ranges = {MASK_NAME[kind]: (ATTENTION_MASK_MIN, 0.0) for kind in MASK_NAME}
-    for prefix in ROPE_PREFIX.values():
-        ranges |= {f"{prefix}position_ids_{f}": (-1.0, 1.0) for f in ("cos", "sin")}
+    for kind in ROPE_PREFIX:
+        ranges |= {rope_name(kind, f): (-1.0, 1.0) for f in ("cos", "sin")}
     return ranges
 
 
@@ -199,14 +213,9 @@ def part_graph_spec(
     if SLIDING in kinds_here:
         inputs.append(TensorSpec(MASK_NAME[SLIDING], (1, 1, t, cache_slots(geo, SLIDING, context, t) + t)))
     if FULL in kinds_here:
-        inputs += [
-            TensorSpec(f"{ROPE_PREFIX[FULL]}position_ids_{f}", (1, 1, t, g_hd // 2)) for f in ("cos", "sin")
-        ]
+        inputs += [TensorSpec(rope_name(FULL, f), (1, 1, t, g_hd // 2)) for f in ("cos", "sin")]
     if SLIDING in kinds_here:
-        inputs += [
-            TensorSpec(f"{ROPE_PREFIX[SLIDING]}position_ids_{f}", (1, 1, t, s_hd // 2))
-            for f in ("cos", "sin")
-        ]
+        inputs += [TensorSpec(rope_name(SLIDING, f), (1, 1, t, s_hd // 2)) for f in ("cos", "sin")]
 
     def kvshare(donor: int) -> list[TensorSpec]:
         d = geo.layers[donor]
@@ -233,7 +242,7 @@ def part_graph_spec(
                 )
 
     if index == n_parts - 1:
-        outputs.append(TensorSpec("logits", (1, t, geo.vocab_size)))
+        outputs.append(TensorSpec(LOGITS, (1, t, geo.vocab_size)))
     else:
         outputs.append(TensorSpec(hidden_name(layers.stop), (1, t, hidden)))
         if index == 0 and geo.ple_dim:

@@ -16,14 +16,17 @@ from torch.nn import functional as F
 
 from stages.contract import (
     INPUTS_EMBEDS,
+    LOGITS,
+    MASK_NAME,
     PER_LAYER_EMBEDS,
     PER_LAYER_INPUTS,
     GraphSpec,
     cache_name,
     hidden_name,
     kvshare_name,
+    rope_name,
 )
-from stages.geometry import FULL, Geometry, Layer
+from stages.geometry import Geometry, Layer
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -187,10 +190,8 @@ class DecoderPart(nn.Module):
         n_kv = geo.num_kv_heads
         for i in spec.layers:
             layer = self.layers[str(i)]
-            full = layer.attention == FULL
-            mask = x["attention_mask" if full else "swa_attention_mask"]
-            cos = x["position_ids_cos" if full else "swa_position_ids_cos"]
-            sin = x["position_ids_sin" if full else "swa_position_ids_sin"]
+            mask = x[MASK_NAME[layer.attention]]
+            cos, sin = x[rope_name(layer.attention, "cos")], x[rope_name(layer.attention, "sin")]
             cache = None
             if layer.owns_kv:
                 names = [
@@ -218,7 +219,7 @@ class DecoderPart(nn.Module):
             logits = torch.matmul(rms_norm(h, self.norm.weight, self.eps), self.lm_head.weight)
             if self.softcap:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
-            out["logits"] = logits
+            out[LOGITS] = logits
         else:
             out[hidden_name(spec.layers[-1] + 1)] = h
         return tuple(out[o.name] for o in spec.outputs)

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from stages.contract import LOGITS
+
 if TYPE_CHECKING:  # numpy is imported where arrays are handled: the tools image has no numpy
     import numpy as np
 
@@ -160,7 +162,7 @@ def feed(rows: np.ndarray, lut: Encoding, graph_input: Encoding) -> np.ndarray:
 def shared_tensor_mismatches(
     io: dict[str, dict[str, dict[str, dict[str, Any]]]],
     cache_prefixes: tuple[str, ...],
-    skip: frozenset[str] = frozenset({"logits"}),
+    skip: frozenset[str] = frozenset({LOGITS}),
 ) -> list[str]:
     """Tensors named in more than one graph whose encodings differ, one line each (empty: none).
 

@@ -27,6 +27,7 @@ from stages.checkpoint import Checkpoint
 from stages.config import PipelineConfig, stage_fields
 from stages.contract import ATTENTION_MASK_MIN, GraphSpec, graph_specs
 from stages.geometry import Geometry
+from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
 from stages.runner import LutSpec
 
@@ -184,7 +185,7 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     if missing:
         raise ExportError(f"{checkpoint_dir}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
 
-    out_dir = workdir / "exported"
+    out_dir = output_dir(workdir, "export")
     options = {"model": cfg.model, **{k: getattr(cfg, k) for k in stage_fields("export")}}
     inputs = [checkpoint_dir / "config.json", *weight_files]
     from stages.decoder import matmul_layout, part_weight_names

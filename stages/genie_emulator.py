@@ -65,7 +65,9 @@ from typing import Any
 
 import numpy as np
 
+from stages.contract import GENIE_LUT_SECTION, INPUTS_EMBEDS, LOGITS, LUT_INPUTS, MASK_NAME
 from stages.encoding import Encoding, feed, feed_mode
+from stages.geometry import FULL
 from stages.quiet import native_stdout_without
 
 ENGINES = ("htp", "cpu")
@@ -113,7 +115,8 @@ GENIE_BEHAVIOURS = [
         "source": "not in the public source (Gemma 4 support is newer); see stages/genie_emulator.py",
     },
 ]
-INPUTS_EMBEDS_KEY = {"inputs_embeds": "embedding", "per_layer_inputs": "perlayer-embedding"}
+# Each LUT-fed graph input and the genie_config.json section that feeds it.
+INPUTS_EMBEDS_KEY = {tensor: GENIE_LUT_SECTION[key] for tensor, key in LUT_INPUTS.items()}
 FLOAT_MASKED = -1000.0
 QNN_DATATYPES = {"uint8": "ufixed8", "uint16": "ufixed16", "int8": "sfixed8", "int16": "sfixed16"}
 
@@ -155,7 +158,8 @@ class Graph:
 
     @property
     def ar(self) -> int:
-        return self.inputs["attention_mask"].shape[-2] if "attention_mask" in self.inputs else -1
+        mask = MASK_NAME[FULL]
+        return self.inputs[mask].shape[-2] if mask in self.inputs else -1
 
 
 def read_graphs(bundle_dir: Path, compiled_report: dict[str, Any]) -> list[Graph]:
@@ -485,7 +489,7 @@ class GenieEmulator:
                         )
                 written |= set(g.outputs)
                 writers.update(g.outputs)
-            if "logits" not in splits[-1].outputs:
+            if LOGITS not in splits[-1].outputs:
                 raise EmulatorError(f"AR-{ar}: the last split ({splits[-1].file}) has no logits output")
         return dict(sorted(by_ar.items()))
 
@@ -564,7 +568,7 @@ class GenieEmulator:
                     f"(the input {name} takes {int(np.prod(first[name].shape[2:]))} per token)"
                 )
             luts[name] = (rows.reshape(-1, size), lut, target)
-        if "inputs_embeds" not in luts:
+        if INPUTS_EMBEDS not in luts:
             raise EmulatorError("the binaries take no inputs_embeds; only LUT-fed models are emulated")
         return luts
 
@@ -671,7 +675,7 @@ class GenieEmulator:
             group.accept(kv, n, group.budget(splits), positions)
         self.n_past += n
         self.steps.append({"ar": ar, "n_process": n})
-        return outputs["logits"][0, :n]
+        return outputs[LOGITS][0, :n]
 
     def prefill(self, ids: list[int]) -> np.ndarray:
         """The prompt in Genie's chunks; returns the raw logits of the last prompt token."""
@@ -683,7 +687,7 @@ class GenieEmulator:
 
     @property
     def logits_encoding(self) -> Encoding:
-        return self.variants[min(self.variants)][-1].outputs["logits"].encoding
+        return self.variants[min(self.variants)][-1].outputs[LOGITS].encoding
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Emulation:
         self.reset()

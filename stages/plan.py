@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from stages.config import PRECISIONS, PipelineConfig
+from stages.contract import GENIE_LUT_LIMIT_BYTES
 from stages.geometry import EMBEDDING, FULL, LINEAR, NORM, PLE, Geometry, Tensor
 from stages.graphs import binary_layout, graph_kinds, graph_name, part_name, partition_layers
 from stages.precision import INT8_CHANNEL, INT16_CHANNEL, WeightScheme
@@ -28,7 +29,6 @@ from stages.precision import INT8_CHANNEL, INT16_CHANNEL, WeightScheme
 GIB = 1 << 30
 MIB = 1 << 20
 # Genie reads LUT sizes as uint32.
-LUT_LIMIT_BYTES = 4 * GIB
 EMBEDDING_LUT_BITS = 16
 # float16 PLE paths are stored as 16-bit floats; the int policies quantize them per channel.
 PLE_POLICY_SCHEMES = {
@@ -348,7 +348,7 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
             f"PREFILL_AR equal to DECODE_AR to ship one graph per part instead"
         )
     for name, size in luts.items():
-        if size >= LUT_LIMIT_BYTES:
+        if size > GENIE_LUT_LIMIT_BYTES:
             warnings.append(
                 f"{name} LUT is {_gib(size)}, over Genie's 4 GiB LUT limit (uint32 sizes); use ple_lut_bits=8"
             )

@@ -48,6 +48,7 @@ from stages.contract import (
 )
 from stages.encoding import ONNX_TYPE_NAMES, Encoding
 from stages.graphs import qdq_file_name
+from stages.pipeline import output_dir
 from stages.precision import INT8_CHANNEL
 from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
 
@@ -1405,7 +1406,7 @@ def run_quantize(
     from stages.quality_report import write_quality_html
 
     calibration_providers = _providers(provider)
-    export_dir = workdir / "exported"
+    export_dir = output_dir(workdir, "export")
     report = read_report(export_dir)
     if report is None:
         raise QuantizeError(
@@ -1429,7 +1430,7 @@ def run_quantize(
         load_texts(cfg, "heldout", None), tok.encode, bos, EVAL_SAMPLES, min(length, 512)
     )
     decode_steps = min(DECODE_CALIBRATION_STEPS, length // 2)
-    out_dir = workdir / "quantized"
+    out_dir = output_dir(workdir, "quantize")
     options = {"model": cfg.model, **{k: getattr(cfg, k) for k in stage_fields("quantize")}}
     inputs = [export_dir / REPORT_NAME] + [export_dir / g["onnx"] for g in report["figures"]["graphs"]]
     # QDQ graphs at the weight bits, plus one float graph's calibration copies at a time.

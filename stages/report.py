@@ -24,6 +24,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from stages.pipeline import PIPELINE
+
 REPORT_NAME = "report.json"
 # Distributions whose versions a report records when installed; the ones a stage uses are a subset.
 TOOL_DISTRIBUTIONS = (
@@ -47,16 +49,9 @@ TOOL_DISTRIBUTIONS = (
 )
 # Names of environment variables whose values must never reach a report.
 SECRET_ENV = ("HF_TOKEN", "QAI_HUB_API_TOKEN")
-# Each stage's output folder under WORKDIR (download: checkpoints/<name>/), and the Make target that
-# redoes it: the one source for messages that say which stage to run again.
-STAGE_DIRS = {
-    "download": "checkpoints",
-    "export": "exported",
-    "quantize": "quantized",
-    "compile": "compiled",
-    "bundle": "genie_bundle",
-    "verify": "verify",
-}
+# Each stage's output folder under WORKDIR (download: checkpoints/<name>/), from the stage table; the
+# stage's name is also the Make target that redoes it.
+STAGE_DIRS = {s.name: s.folder for s in PIPELINE}
 # Where the per-stage stamps live (the Makefile's STAMP_DIR), relative to WORKDIR.
 STAMP_DIR = ".g4v69"
 

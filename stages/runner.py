@@ -20,7 +20,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from stages.contract import ATTENTION_MASK_MIN, INPUTS_EMBEDS, PER_LAYER_INPUTS, GraphSpec, cache_name
+from stages.contract import (
+    ATTENTION_MASK_MIN,
+    INPUTS_EMBEDS,
+    LOGITS,
+    MASK_NAME,
+    PER_LAYER_INPUTS,
+    GraphSpec,
+    cache_name,
+    rope_name,
+)
 from stages.geometry import FULL, SLIDING, Geometry
 from stages.graphs import qdq_file_name
 
@@ -131,15 +140,15 @@ def rope_tables(geo: Geometry, positions: np.ndarray) -> dict[str, np.ndarray]:
     """
     cfg = geo.config
     out: dict[str, np.ndarray] = {}
-    for prefix, kind, dim in (("", FULL, cfg["global_head_dim"]), ("swa_", SLIDING, cfg["head_dim"])):
+    for kind, dim in ((FULL, cfg["global_head_dim"]), (SLIDING, cfg["head_dim"])):
         params = cfg["rope_parameters"][kind]
         partial = (
             params.get("partial_rotary_factor", 1.0) if params.get("rope_type") == "proportional" else None
         )
         inv = inverse_frequencies(params["rope_theta"], dim, partial)
         freqs = positions.astype(np.float32)[:, None] * inv[None, :]
-        out[f"{prefix}position_ids_cos"] = np.cos(freqs)[None, None]
-        out[f"{prefix}position_ids_sin"] = np.sin(freqs)[None, None]
+        out[rope_name(kind, "cos")] = np.cos(freqs)[None, None]
+        out[rope_name(kind, "sin")] = np.sin(freqs)[None, None]
     return out
 
 
@@ -360,7 +369,7 @@ class HostRunner:
         swa_past = (swa_pos[None, :] >= 0) & (q[:, None] - swa_pos[None, :] < w)
         swa = np.concatenate([swa_past, causal_new & (q[:, None] - new[None, :] < w)], axis=1)
         to_mask = lambda v: np.where(v, 0.0, ATTENTION_MASK_MIN).astype(np.float32)[None, None]  # noqa: E731
-        return {"attention_mask": to_mask(full), "swa_attention_mask": to_mask(swa)}
+        return {MASK_NAME[FULL]: to_mask(full), MASK_NAME[SLIDING]: to_mask(swa)}
 
     def step(self, ids: list[int], role: str | None = None, parts: int | None = None) -> np.ndarray | None:
         """Run one graph call over `ids` (at most the graph's AR) at the current position; returns
@@ -424,7 +433,7 @@ class HostRunner:
         for p in new_positions[-self.geo.sliding_window :]:
             self.caches.swa_positions[p % self.geo.sliding_window] = p
         self.position += n
-        return tensors["logits"][0, :n] if "logits" in tensors else None
+        return tensors[LOGITS][0, :n] if LOGITS in tensors else None
 
     def prefill(self, ids: list[int]) -> np.ndarray:
         """All prompt tokens in chunks of the prefill AR; returns the logits of every prompt position."""

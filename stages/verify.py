@@ -24,12 +24,20 @@ import numpy as np
 
 from stages.bundle import GENIE_CONFIG, MANIFEST, check_manifest
 from stages.config import PipelineConfig, stage_fields
-from stages.contract import CACHE_PREFIX, INPUTS_EMBEDS, MASK_NAME, PER_LAYER_INPUTS, ROPE_PREFIX
+from stages.contract import (
+    CACHE_PREFIX,
+    GENIE_LUT_BYTES,
+    GENIE_LUT_SECTION,
+    LOGITS,
+    LUT_INPUTS,
+    MASK_NAME,
+    ROPE_PREFIX,
+    rope_name,
+)
 from stages.geometry import FULL, SLIDING
 from stages.graphs import qdq_file_name
+from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
-
-LUT_BYTES = {"ufixed8": 1, "ufixed16": 2}
 
 
 class VerifyError(ValueError):
@@ -86,14 +94,13 @@ def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: dict[str, Any]
             problems.append(f"genie_config.json {what} is {got}, the graphs and the model say {want}")
 
     expect("context.size", genie["context"]["size"], inputs[MASK_NAME[FULL]][-1])
-    expect("context.n-vocab", genie["context"]["n-vocab"], outputs["logits"][-1])
-    expect("embedding.size", genie["embedding"]["size"], inputs[INPUTS_EMBEDS][-1])
-    if "perlayer-embedding" in genie:
-        expect(
-            "perlayer-embedding.size",
-            genie["perlayer-embedding"]["size"],
-            int(np.prod(inputs[PER_LAYER_INPUTS][2:])),
-        )
+    expect("context.n-vocab", genie["context"]["n-vocab"], outputs[LOGITS][-1])
+    for tensor, key in LUT_INPUTS.items():
+        section = GENIE_LUT_SECTION[key]
+        if section in genie:
+            expect(f"{section}.size", genie[section]["size"], int(np.prod(inputs[tensor][2:])))
+        elif tensor in inputs:
+            problems.append(f"genie_config.json has no {section} section to feed the graph input {tensor}")
     for group in genie["engine"]["cache-groups"]:
         attention = FULL if group["prefix"] == f"{CACHE_PREFIX[FULL]}_" else SLIDING
         keys = [s for t, s in inputs.items() if re.match(rf"{group['prefix']}key_\d+_h\d+_in$", t)]
@@ -118,20 +125,20 @@ def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: dict[str, Any]
             continue
         where = f"positional-encoding {prefix or '(global)'}"
         expect(f"{where} rope-theta", rope["rope-theta"], params["rope_theta"])
-        expect(f"{where} rope-dim", rope["rope-dim"], inputs[f"{prefix}position_ids_cos"][-1])
+        expect(f"{where} rope-dim", rope["rope-dim"], inputs[rope_name(attention, "cos")][-1])
         factor = (rope.get("rope-scaling") or {}).get("partial-rotary-factor")
         want = params.get("partial_rotary_factor", 1.0) if params.get("rope_type") == "proportional" else None
         expect(f"{where} partial-rotary-factor", factor, want)
-    for key in ("embedding", "perlayer-embedding"):
+    for key in GENIE_LUT_SECTION.values():
         lut = genie.get(key)
         if lut is None:
             continue
         path = bundle_dir / lut["lut-path"]
-        want = geo.vocab_size * lut["size"] * LUT_BYTES[lut["datatype"]]
+        want = geo.vocab_size * lut["size"] * GENIE_LUT_BYTES[lut["datatype"]]
         if path.is_file() and path.stat().st_size != want:
             problems.append(
                 f"{lut['lut-path']}: {path.stat().st_size} bytes, {geo.vocab_size} rows x {lut['size']} x "
-                f"{LUT_BYTES[lut['datatype']]} B expected"
+                f"{GENIE_LUT_BYTES[lut['datatype']]} B expected"
             )
     return problems
 
@@ -143,13 +150,13 @@ def bundle_runner(bundle_dir: Path, export_dir: Path, quantized_dir: Path):
 
     runner = HostRunner.from_export(export_dir, luts=True, graph_dir=quantized_dir)
     genie = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-    names = {"embedding": "embedding", "per_layer_embedding": "perlayer-embedding"}
+    names = GENIE_LUT_SECTION
     specs = {}
     for key, genie_key in names.items():
         lut = genie.get(genie_key)
         if lut is None:
             continue
-        bits = 8 * LUT_BYTES[lut["datatype"]]
+        bits = 8 * GENIE_LUT_BYTES[lut["datatype"]]
         q = lut["quant-param"]
         rows = (bundle_dir / lut["lut-path"]).stat().st_size // (lut["size"] * bits // 8)
         specs[key] = LutSpec(lut["lut-path"], rows, lut["size"], bits, q["scale"], q["offset"])
@@ -235,15 +242,15 @@ def run_verify(
     from stages.genie_emulator import GENIE_BEHAVIOURS, EmulatorError, GenieEmulator
     from stages.reference import greedy_tokens, logits_of, transformers_model
 
-    bundle_dir, compiled_dir = workdir / "genie_bundle", workdir / "compiled"
-    quantized_dir, export_dir = workdir / "quantized", workdir / "exported"
+    bundle_dir, compiled_dir = output_dir(workdir, "bundle"), output_dir(workdir, "compile")
+    quantized_dir, export_dir = output_dir(workdir, "quantize"), output_dir(workdir, "export")
     compiled = read_report(compiled_dir)
     if read_report(bundle_dir) is None or compiled is None:
         raise VerifyError(f"{bundle_dir} holds no finished bundle; run `make bundle` first")
     check_inputs(workdir, [bundle_dir, quantized_dir, checkpoint_dir])
     geo = Checkpoint(checkpoint_dir).geometry
     # A failed verify must not leave an earlier run's passing report behind.
-    (workdir / "verify" / REPORT_NAME).unlink(missing_ok=True)
+    (output_dir(workdir, "verify") / REPORT_NAME).unlink(missing_ok=True)
     problems = check_bundle(bundle_dir, quantized_dir, compiled, geo)
     if problems:
         raise VerifyError(f"{bundle_dir} is broken ({len(problems)} problems):\n  " + "\n  ".join(problems))
@@ -320,7 +327,7 @@ def run_verify(
             + " (thresholds: VERIFY_MIN_PREFIX, VERIFY_MIN_TOP1)"
         )
 
-    out_dir = workdir / "verify"
+    out_dir = output_dir(workdir, "verify")
     options = {"model": cfg.model, "soc": cfg.soc, **{k: getattr(cfg, k) for k in stage_fields("verify")}}
     inputs = [bundle_dir / MANIFEST, bundle_dir / REPORT_NAME]
     with stage_output("verify", out_dir, inputs, options, root=workdir) as run:

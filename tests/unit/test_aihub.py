@@ -15,8 +15,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from stages.aihub import MAX_ATTEMPTS, compile_aihub
-from stages.compile import CompileError
+from stages.aihub import MAX_ATTEMPTS, AihubError, compile_aihub
 from stages.config import load_config
 from stages.graphs import binary_layout
 from tests.conftest import DOUBLES, REPO
@@ -96,7 +95,7 @@ def test_a_failed_job_is_shown_and_resubmitted(fake_hub, tmp_path, token, capsys
 def test_a_job_that_keeps_failing_stops_with_its_message_and_url(fake_hub, tmp_path, token):
     fake_hub.scenario(devices=fake_hub_devices(), fail={"prefill_ar8_part1_of_2": ["out of memory"] * 9})
     with pytest.raises(
-        CompileError,
+        AihubError,
         match=rf"failed {MAX_ATTEMPTS} times; last message: out of memory; "
         r"see https://workbench.aihub.qualcomm.com/jobs/j\d+/",
     ):
@@ -114,14 +113,14 @@ def test_internal_errors_retry_a_few_times_then_stop_clearly(fake_hub, tmp_path,
     fake_hub.scenario(devices=fake_hub_devices(), internal_error={"get_devices": 2})
     _run(fake_hub, tmp_path)  # two failures are retried
     fake_hub.scenario(devices=fake_hub_devices(), internal_error={"upload_model": 99})
-    with pytest.raises(CompileError, match="failed uploading .* 4 times: Internal API failure.*rerun later"):
+    with pytest.raises(AihubError, match="failed uploading .* 4 times: Internal API failure.*rerun later"):
         _run(fake_hub, tmp_path / "again")
 
 
 def test_no_network_is_one_clear_line(fake_hub, tmp_path, token):
     """With no connection the real client raises InternalError with a boxed, multi-line message."""
     fake_hub.scenario(devices=fake_hub_devices(), no_network=True)
-    with pytest.raises(CompileError) as e:
+    with pytest.raises(AihubError) as e:
         _run(fake_hub, tmp_path)
     msg = str(e.value)
     assert "\n" not in msg and "\u2500" not in msg
@@ -130,19 +129,19 @@ def test_no_network_is_one_clear_line(fake_hub, tmp_path, token):
 
 def test_no_token_bad_token_quota_and_unknown_device_are_clear(fake_hub, tmp_path, monkeypatch):
     monkeypatch.delenv("QAI_HUB_API_TOKEN", raising=False)
-    with pytest.raises(CompileError, match="needs an AI Hub API token: set QAI_HUB_API_TOKEN"):
+    with pytest.raises(AihubError, match="needs an AI Hub API token: set QAI_HUB_API_TOKEN"):
         _run(fake_hub, tmp_path)
     assert fake_hub.calls() == []
     monkeypatch.setenv("QAI_HUB_API_TOKEN", "wrong")
     fake_hub.scenario(devices=fake_hub_devices(), valid_tokens=[TOKEN])
-    with pytest.raises(CompileError, match="AI Hub rejected the API token"):
+    with pytest.raises(AihubError, match="AI Hub rejected the API token"):
         _run(fake_hub, tmp_path)
     monkeypatch.setenv("QAI_HUB_API_TOKEN", TOKEN)
     fake_hub.scenario(devices=fake_hub_devices(), quota_exceeded=True)
-    with pytest.raises(CompileError, match="quota is used up"):
+    with pytest.raises(AihubError, match="quota is used up"):
         _run(fake_hub, tmp_path)
     fake_hub.scenario(devices=[d for d in fake_hub_devices() if d["soc"] != "SM8450"])
-    with pytest.raises(CompileError, match="knows no device named 'Samsung Galaxy S22 \\(Family\\)'"):
+    with pytest.raises(AihubError, match="knows no device named 'Samsung Galaxy S22 \\(Family\\)'"):
         _run(fake_hub, tmp_path)
 
 

@@ -107,6 +107,26 @@ def test_stage_chain_order():
     assert stages == ["download", "export", "quantize", "compile"]
 
 
+def test_stage_recipes_run_in_the_images_and_folders_of_the_stage_table(tmp_path):
+    """The stage table (stages/pipeline.py) is the one source of each stage's image and folder; the
+    Makefile's recipes must run each stage in that image and look for its report in that folder."""
+    import re
+
+    from stages.pipeline import PIPELINE, STAGE_NAMES
+
+    r = make("-n", "verify", "RUNNER=docker", "PRESET=tiny", f"WORKDIR={tmp_path}", "-W", "FORCE")
+    assert r.returncode == 0, r.stderr
+    images = {}
+    for line in r.stdout.splitlines():
+        m = re.search(r"g4v69-([a-z-]+):\S+ g4v69 .*? (" + "|".join(STAGE_NAMES) + r")\b", line)
+        if m:
+            images[m.group(2)] = m.group(1)
+    assert images == {s.name: s.image for s in PIPELINE}
+    for s in PIPELINE:
+        report = make("-s", f"print-{s.name.upper()}_REPORT", "PRESET=tiny", "WORKDIR=/w").stdout.strip()
+        assert report.startswith(f"/w/{s.folder}/") and report.endswith("/report.json")
+
+
 @in_venv
 def test_plan_runs_locally_and_matches_the_cli():
     r = make("plan", "RUNNER=local", f"VENV={VENV}")
