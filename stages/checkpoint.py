@@ -7,11 +7,13 @@ asks for; the vision and audio towers of a multimodal snapshot are never read.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from stages.geometry import Geometry, GeometryError, geometry_from_config, text_config_of
+from stages.geometry import Geometry, GeometryError, Tensor, geometry_from_config, text_config_of
+from stages.report import sha256_file
 
 # Where the text decoder's weights sit in the -it (multimodal) snapshot; a text-only export uses `model.`.
 TEXT_PREFIXES = ("model.language_model.", "model.")
@@ -139,3 +141,200 @@ class Checkpoint:
         path, stored = self._locate(name)
         with safe_open(path, framework="pt") as st:
             return st.get_slice(stored)[start:stop].to(torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation: what every source (built-in, Hub, --from) must pass before the download counts as done
+# ---------------------------------------------------------------------------------------------------
+
+REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A file as the Hub lists it: size, and sha256 when it is stored with LFS."""
+
+    name: str
+    size: int | None = None
+    sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    files: int
+    bytes: int
+    text_tensors: int
+    text_params: int
+    extra_text_tensors: int
+    other_tensors: int
+    dtypes: tuple[str, ...]
+    text_prefix: str = TEXT_PREFIXES[0]
+    # Stored language-model tensors the model has no place for, dropped as transformers drops them:
+    # K/V weights of KV-shared layers, and (unused_tensors) anything else, which transformers warns about.
+    ignored_tensors: tuple[str, ...] = ()
+    unused_tensors: tuple[str, ...] = ()
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "ignored_tensors": list(self.ignored_tensors),
+            "unused_tensors": list(self.unused_tensors),
+            "text_prefix": self.text_prefix,
+            "files": self.files,
+            "bytes": self.bytes,
+            "text_tensors": self.text_tensors,
+            "text_params": self.text_params,
+            "extra_text_tensors": self.extra_text_tensors,
+            "other_tensors": self.other_tensors,
+            "dtypes": list(self.dtypes),
+        }
+
+
+def _first(names: list[str], n: int = 5) -> str:
+    more = f" and {len(names) - n} more" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({str(e).splitlines()[0]})") from None
+
+
+def check_config(path: Path) -> dict[str, Any]:
+    """The parsed config.json, which must be a Gemma 4 config that the geometry understands."""
+    config = _read_json(path)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is not a config object")
+    model_type = config.get("model_type")
+    text_type = text_config_of(config).get("model_type", model_type)
+    if model_type not in GEMMA4_MODEL_TYPES or text_type not in GEMMA4_MODEL_TYPES:
+        raise CheckpointError(
+            f"{path} is not a Gemma 4 config (model_type {model_type!r}); this pipeline handles "
+            f"model_type {' or '.join(GEMMA4_MODEL_TYPES)}, e.g. google/gemma-4-E2B-it"
+        )
+    try:
+        geometry_from_config(config)
+    except (GeometryError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    return config
+
+
+def check_remote_files(folder: Path, remote: list[RemoteFile]) -> None:
+    """Sizes and LFS sha256 values as the Hub lists them. A corrupt file is deleted (with its
+    huggingface_hub resume metadata), so the next run fetches it again instead of trusting it."""
+    for f in remote:
+        path = folder / f.name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing after the download; run the download again")
+        size = path.stat().st_size
+        bad = None
+        if f.size is not None and size != f.size:
+            bad = f"is {size} bytes, the Hub lists {f.size}"
+        elif f.sha256 and sha256_file(path) != f.sha256:
+            bad = f"does not match the Hub's sha256 {f.sha256[:12]}..."
+        if bad:
+            path.unlink()
+            for meta in (folder / ".cache" / "huggingface" / "download").glob(f"{f.name}.*"):
+                meta.unlink()
+            raise CheckpointError(f"{path} {bad}; it was deleted: run the download again to fetch it anew")
+
+
+def validate_checkpoint(
+    folder: Path, files: list[str] | None = None, remote: list[RemoteFile] | None = None
+) -> CheckpointSummary:
+    """Check a checkpoint folder; raise CheckpointError naming the first bad file or tensors.
+
+    `files` limits the check to those names (a staging or user folder may hold other files);
+    default: the names of `remote`, else every file in the folder.
+
+    Checked: the required files exist and parse; config.json is Gemma 4; every safetensors file
+    (and every file the index names) opens; every language-model tensor of the geometry is present
+    under `model.language_model.` (or, for a text-only save, `model.`) with its shape. Non-text
+    tensors (vision, audio) are skipped; extra text tensors are accepted and listed, as transformers
+    accepts them: the K/V weights of KV-shared layers that the published E2B-it keeps (ignored_tensors,
+    which transformers drops silently) and anything else (unused_tensors, which it drops with a
+    warning). With `remote`, sizes and LFS sha256 values are compared too.
+    """
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    if files is None:
+        on_disk = sorted(p.name for p in folder.iterdir() if p.is_file())
+        files = [f.name for f in remote] if remote else on_disk
+    names = set(files)
+    if remote:
+        # First: a file damaged in transit is then deleted for a refetch whatever else fails.
+        check_remote_files(folder, remote)
+    missing = [n for n in REQUIRED_FILES if n not in names or not (folder / n).is_file()]
+    if missing:
+        raise CheckpointError(f"{_first(missing)} missing from {folder}")
+    config = check_config(folder / "config.json")
+    geo = geometry_from_config(config)
+    for name in ("tokenizer_config.json", "generation_config.json", INDEX_NAME):
+        if name in names:
+            _read_json(folder / name)
+    _check_tokenizer(folder / "tokenizer.json")
+
+    weights = [folder / n for n in sorted(names) if n.endswith(".safetensors")]
+    if INDEX_NAME in names:
+        named = set(_read_json(folder / INDEX_NAME).get("weight_map", {}).values())
+        absent = sorted(n for n in named if n not in names or not (folder / n).is_file())
+        if absent:
+            raise CheckpointError(f"{INDEX_NAME} names {_first(absent)}, missing from {folder}")
+    if not weights:
+        raise CheckpointError(f"no *.safetensors weights in {folder}")
+
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path in weights:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    shapes[key] = (tuple(sl.get_shape()), str(sl.get_dtype()))
+        except Exception as e:  # safetensors raises its own SafetensorError (and OSError, ValueError)
+            raise CheckpointError(
+                f"{path} is not a readable safetensors file, truncated or corrupt ({str(e).splitlines()[0]})"
+            ) from None
+
+    prefix = next((p for p in TEXT_PREFIXES if p + geo.embedding.name in shapes), TEXT_PREFIXES[0])
+    found = {k[len(prefix) :]: v[0] for k, v in shapes.items() if k.startswith(prefix)}
+    dtypes = {v[1] for k, v in shapes.items() if k.startswith(prefix)}
+    expected: list[Tensor] = geo.all_tensors()
+    absent_tensors = [prefix + t.name for t in expected if t.name not in found]
+    if absent_tensors:
+        raise CheckpointError(
+            f"{len(absent_tensors)} language-model tensors missing from the safetensors in {folder}: "
+            f"{_first(absent_tensors)}"
+        )
+    wrong = [
+        f"{prefix}{t.name} {list(found[t.name])} (config says {list(t.shape)})"
+        for t in expected
+        if found[t.name] != t.shape
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"{len(wrong)} tensors have the wrong shape for config.json: {_first(wrong, 3)}"
+        )
+    extra = sorted(set(found) - {t.name for t in expected})
+    return CheckpointSummary(
+        ignored_tensors=tuple(prefix + n for n in extra if geo.is_shared_kv_leftover(n)),
+        unused_tensors=tuple(prefix + n for n in extra if not geo.is_shared_kv_leftover(n)),
+        files=len(names),
+        bytes=sum((folder / n).stat().st_size for n in names),
+        text_tensors=len(expected),
+        text_params=sum(t.numel for t in expected),
+        extra_text_tensors=len(found) - len(expected),
+        other_tensors=len(shapes) - len(found),
+        dtypes=tuple(sorted(dtypes)),
+        text_prefix=prefix,
+    )
+
+
+def _check_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise CheckpointError(f"{path} is not a loadable tokenizer ({str(e).splitlines()[0]})") from None

@@ -147,13 +147,14 @@ def main(ctx: click.Context, preset: str, workdir: Path, **overrides: str | None
 @click.pass_obj
 def download(obj: Context, from_dir: Path | None) -> None:
     """Fetch the checkpoint (or make a built-in model) into checkpoints/<name>/, validated."""
+    from stages.checkpoint import CheckpointError
     from stages.download import DownloadError, run_download
 
     cfg = obj.config
     out = obj.checkpoint_dir()
     try:
         figures = run_download(cfg.model, cfg.model_revision, out, from_dir=from_dir)
-    except DownloadError as e:
+    except (DownloadError, CheckpointError) as e:
         raise UserError(str(e)) from None
     obj.stage_done("download")
     click.echo(

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 # The built-in byte-level tokenizer's ids: special tokens, then one id per byte.
-from stages.download import BOS_ID, BYTE_OFFSET
+from stages.builtin_models import BOS_ID, BYTE_OFFSET
 from stages.geometry import TINY_TEXT_CONFIG, geometry_from_config
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -116,7 +116,7 @@ def train(steps: int, seed: int = 0, batch: int = 16, seq: int = 128, lr: float 
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    from stages.download import TEXT_PREFIX, random_tensor
+    from stages.builtin_models import TEXT_PREFIX, random_tensor
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.download import write_tokenizer_files
+from stages.builtin_models import write_tokenizer_files
 from stages.geometry import TINY_TEXT_CONFIG, geometry_from_config
 
 CONDITIONAL = "Gemma4ForConditionalGeneration"

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from hf_checkpoints import CAUSAL, CONDITIONAL, Layout, load_with_transformers, save_with_transformers
 
-from stages.checkpoint import CheckpointError, stop_token_ids
+from stages.checkpoint import CheckpointError, stop_token_ids, validate_checkpoint
 from stages.config import load_config
-from stages.download import DownloadError, run_download, validate_checkpoint
+from stages.download import run_download
 from stages.export import run_export
 from stages.geometry import TINY_TEXT_CONFIG, geometry_from_config
 from stages.runner import HostRunner
@@ -172,7 +172,7 @@ def test_a_shape_transformers_rejects_is_one_line_naming_the_tensor(saved, tmp_p
     config = json.loads((folder / "config.json").read_text())
     config["global_head_dim"] = 64
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(DownloadError, match=r"model\.layers\.2\.self_attn\.q_proj\.weight \[64, 64\]"):
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.self_attn\.q_proj\.weight \[64, 64\]"):
         validate_checkpoint(folder)
     with pytest.raises(
         CheckpointError,

@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stages.builtin_models import TEXT_PREFIX, gemma4_config
 from stages.config import load_config
-from stages.download import TEXT_PREFIX, gemma4_config, run_download
+from stages.download import run_download
 from stages.executorch_reference import (
     executorch_config,
     executorch_model,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from stages.builtin_models import gemma4_config, write_tokenizer_files
 from stages.checkpoint import CheckpointError, stop_token_ids
-from stages.download import gemma4_config, write_tokenizer_files
 from stages.geometry import E2B_TEXT_CONFIG, FULL, TINY_TEXT_CONFIG, GeometryError, geometry_from_config
 
 

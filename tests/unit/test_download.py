@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import TINY_GEMMA4_CONFIG, run
 
+from stages import builtin_models as bm
+from stages import checkpoint as ck
 from stages import download as dl
 from stages.geometry import E2B_TEXT_CONFIG, TINY_TEXT_CONFIG, geometry_from_config
 from stages.report import read_report, sha256_file
@@ -87,11 +89,11 @@ def test_tiny_has_the_real_snapshot_layout(tiny_dir):
     assert config["text_config"]["vocab_size"] == TINY_TEXT_CONFIG["vocab_size"] == 262
 
     geo = geometry_from_config(config)
-    expected = {dl.TEXT_PREFIX + t.name: t.shape for t in geo.all_tensors()}
+    expected = {bm.TEXT_PREFIX + t.name: t.shape for t in geo.all_tensors()}
     with safe_open(str(tiny_dir / "model.safetensors"), framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
         keys = set(f.keys())
-    assert keys == set(expected) | {dl.NON_TEXT_TENSOR[0]}
+    assert keys == set(expected) | {bm.NON_TEXT_TENSOR[0]}
     assert not any("lm_head" in k for k in keys)  # tied to embed_tokens
 
     tensors = load_tensors(tiny_dir / "model.safetensors")
@@ -99,9 +101,9 @@ def test_tiny_has_the_real_snapshot_layout(tiny_dir):
     assert all(tuple(tensors[k].shape) == shape for k, shape in expected.items())
     scalars = torch.cat([v.float() for k, v in tensors.items() if k.endswith("layer_scalar")])
     assert len(scalars) == 6 and scalars.min() >= 0.5 and scalars.max() <= 1.5 and scalars.std() > 0.1
-    norm = tensors[dl.TEXT_PREFIX + "norm.weight"].float()
+    norm = tensors[bm.TEXT_PREFIX + "norm.weight"].float()
     assert 0.8 < norm.mean() < 1.2 and norm.std() > 0.15
-    q = tensors[dl.TEXT_PREFIX + "layers.0.self_attn.q_proj.weight"].float()
+    q = tensors[bm.TEXT_PREFIX + "layers.0.self_attn.q_proj.weight"].float()
     assert abs(q.std() - 1 / math.sqrt(q.shape[1])) < 0.02
 
 
@@ -115,9 +117,9 @@ def test_tiny_runs_in_transformers_through_both_loaders(tiny_dir):
     text_config = json.loads((tiny_dir / "config.json").read_text())["text_config"]
     model = Gemma4ForCausalLM(Gemma4TextConfig(**text_config)).eval()
     state = {
-        "model." + k[len(dl.TEXT_PREFIX) :]: v.float()
+        "model." + k[len(bm.TEXT_PREFIX) :]: v.float()
         for k, v in load_tensors(tiny_dir / "model.safetensors").items()
-        if k.startswith(dl.TEXT_PREFIX)
+        if k.startswith(bm.TEXT_PREFIX)
     }
     result = model.load_state_dict(state, strict=False)
     assert result.unexpected_keys == [] and result.missing_keys == ["lm_head.weight"]
@@ -142,10 +144,10 @@ def test_tokenizer_is_byte_level_with_the_special_ids(tiny_dir):
         assert tok.token_to_id(token) == i
     text = "Héllo wörld, 日本語 ✓ <tab>\there\n"
     ids = tok.encode(text).ids
-    assert ids == [dl.BOS_ID] + [dl.BYTE_OFFSET + b for b in text.encode()]
+    assert ids == [bm.BOS_ID] + [bm.BYTE_OFFSET + b for b in text.encode()]
     assert tok.decode(ids, skip_special_tokens=True) == text
     turn = tok.encode("<|turn>user\nhi<turn|>", add_special_tokens=False).ids
-    assert turn[0] == dl.TURN_START_ID and turn[-1] == dl.TURN_END_ID and len(turn) == 2 + 7
+    assert turn[0] == bm.TURN_START_ID and turn[-1] == bm.TURN_END_ID and len(turn) == 2 + 7
 
 
 def test_autotokenizer_loads_offline_and_renders_the_gemma4_chat(tiny_dir, monkeypatch):
@@ -168,7 +170,7 @@ def test_autotokenizer_loads_offline_and_renders_the_gemma4_chat(tiny_dir, monke
     plain = tok.apply_chat_template(messages[1:2], tokenize=False)
     assert plain == "<bos><|turn>user\nHi<turn|>\n"
     ids = tok.apply_chat_template(messages[1:2], tokenize=True, add_generation_prompt=True)["input_ids"]
-    assert ids[:2] == [dl.BOS_ID, dl.TURN_START_ID] and ids.count(dl.BOS_ID) == 1
+    assert ids[:2] == [bm.BOS_ID, bm.TURN_START_ID] and ids.count(bm.BOS_ID) == 1
     with pytest.raises(Exception, match="roles must be system, user or assistant; got: tool"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
 
@@ -185,13 +187,13 @@ def test_chat_template_files_agree_and_keep_the_adjacent_literals(tiny_dir):
 def test_sharded_checkpoint_has_an_index_and_the_same_tensors(tmp_path):
     text_config = TINY_GEMMA4_CONFIG["text_config"]
     one, many = tmp_path / "one", tmp_path / "many"
-    dl.write_random_checkpoint(text_config, one, seed=3, max_shard_bytes=10**9)
-    dl.write_random_checkpoint(text_config, many, seed=3, max_shard_bytes=40_000)
+    bm.write_random_checkpoint(text_config, one, seed=3, max_shard_bytes=10**9)
+    bm.write_random_checkpoint(text_config, many, seed=3, max_shard_bytes=40_000)
     shards = sorted(p.name for p in many.glob("*.safetensors"))
     n = len(shards)
     assert n >= 3 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    assert not (one / dl.INDEX_NAME).exists()
-    index = json.loads((many / dl.INDEX_NAME).read_text())
+    assert not (one / ck.INDEX_NAME).exists()
+    index = json.loads((many / ck.INDEX_NAME).read_text())
     single = load_tensors(one / "model.safetensors")
     assert set(index["weight_map"]) == set(single)
     total = 0
@@ -204,7 +206,7 @@ def test_sharded_checkpoint_has_an_index_and_the_same_tensors(tmp_path):
         # Only a tensor bigger than the limit gets a file over it, alone.
         assert sum(v.numel() * 2 for v in part.values()) <= 40_000 or len(part) == 1
     assert index["metadata"]["total_size"] == total
-    summary = dl.validate_checkpoint(many)
+    summary = ck.validate_checkpoint(many)
     assert summary.text_params == geometry_from_config(text_config).total_params
     assert summary.files == n + 6 and summary.other_tensors == 1  # + index, config, 4 tokenizer files
 
@@ -212,20 +214,20 @@ def test_sharded_checkpoint_has_an_index_and_the_same_tensors(tmp_path):
 def test_big_tensors_are_made_in_row_chunks(monkeypatch):
     import torch
 
-    full = dl.random_tensor("layers.0.mlp.up_proj.weight", (300, 64), TINY_TEXT_CONFIG, seed=0)
-    monkeypatch.setattr(dl, "CHUNK_ELEMENTS", 1000)
-    chunked = dl.random_tensor("layers.0.mlp.up_proj.weight", (300, 64), TINY_TEXT_CONFIG, seed=0)
+    full = bm.random_tensor("layers.0.mlp.up_proj.weight", (300, 64), TINY_TEXT_CONFIG, seed=0)
+    monkeypatch.setattr(bm, "CHUNK_ELEMENTS", 1000)
+    chunked = bm.random_tensor("layers.0.mlp.up_proj.weight", (300, 64), TINY_TEXT_CONFIG, seed=0)
     assert chunked.dtype == torch.bfloat16 and chunked.shape == (300, 64)
     assert abs(chunked.float().std() - 1 / 8) < 0.01 and abs(full.float().std() - 1 / 8) < 0.01
-    again = dl.random_tensor("layers.0.mlp.up_proj.weight", (300, 64), TINY_TEXT_CONFIG, seed=0)
+    again = bm.random_tensor("layers.0.mlp.up_proj.weight", (300, 64), TINY_TEXT_CONFIG, seed=0)
     assert again.equal(chunked)
 
 
 def test_e2b_random_shard_plan_stays_under_the_limit_except_the_ple_table():
     geo = geometry_from_config(E2B_TEXT_CONFIG)
     tensors = [(t.name, t.shape) for t in geo.all_tensors()]
-    limit = dl.DEFAULT_MAX_SHARD_BYTES
-    shards = dl._plan_shards(tensors, limit)
+    limit = bm.DEFAULT_MAX_SHARD_BYTES
+    shards = bm._plan_shards(tensors, limit)
     sizes = [sum(math.prod(tensors[i][1]) * 2 for i in s) for s in shards]
     big = [tensors[s[0]][0] for s, size in zip(shards, sizes, strict=True) if size > limit]
     assert big == ["embed_tokens_per_layer.weight"] and 4 <= len(shards) <= 8
@@ -241,40 +243,40 @@ def test_unknown_builtin_is_refused(tmp_path):
 
 
 def test_validation_summary_of_tiny(tiny_dir):
-    s = dl.validate_checkpoint(tiny_dir)
+    s = ck.validate_checkpoint(tiny_dir)
     geo = geometry_from_config(TINY_TEXT_CONFIG)
     assert (s.files, s.text_tensors, s.text_params) == (6, len(geo.all_tensors()), geo.total_params)
     assert s.other_tensors == 1 and s.extra_text_tensors == 0 and s.dtypes == ("BF16",)
-    assert s.text_prefix == dl.TEXT_PREFIX
+    assert s.text_prefix == bm.TEXT_PREFIX
 
 
 def test_missing_tensor_is_named(tiny_copy):
     tensors = load_tensors(tiny_copy / "model.safetensors")
-    del tensors[dl.TEXT_PREFIX + "layers.2.self_attn.k_proj.weight"]
+    del tensors[bm.TEXT_PREFIX + "layers.2.self_attn.k_proj.weight"]
     save_tensors(tensors, tiny_copy / "model.safetensors")
     expected = r"1 language-model tensors missing .*layers\.2\.self_attn\.k_proj"
-    with pytest.raises(dl.DownloadError, match=expected):
-        dl.validate_checkpoint(tiny_copy)
+    with pytest.raises(ck.CheckpointError, match=expected):
+        ck.validate_checkpoint(tiny_copy)
 
 
 def test_wrong_shape_is_named_with_both_shapes(tiny_copy):
     import torch
 
     tensors = load_tensors(tiny_copy / "model.safetensors")
-    tensors[dl.TEXT_PREFIX + "norm.weight"] = torch.ones(32, dtype=torch.bfloat16)
+    tensors[bm.TEXT_PREFIX + "norm.weight"] = torch.ones(32, dtype=torch.bfloat16)
     save_tensors(tensors, tiny_copy / "model.safetensors")
     expected = r"model\.language_model\.norm\.weight \[32\] \(config says \[64\]\)"
-    with pytest.raises(dl.DownloadError, match=expected):
-        dl.validate_checkpoint(tiny_copy)
+    with pytest.raises(ck.CheckpointError, match=expected):
+        ck.validate_checkpoint(tiny_copy)
 
 
 def test_a_text_only_save_under_model_is_accepted(tiny_copy):
     tensors = load_tensors(tiny_copy / "model.safetensors")
     text_only = {
-        "model." + k[len(dl.TEXT_PREFIX) :]: v for k, v in tensors.items() if k.startswith(dl.TEXT_PREFIX)
+        "model." + k[len(bm.TEXT_PREFIX) :]: v for k, v in tensors.items() if k.startswith(bm.TEXT_PREFIX)
     }
     save_tensors(text_only, tiny_copy / "model.safetensors")
-    summary = dl.validate_checkpoint(tiny_copy)
+    summary = ck.validate_checkpoint(tiny_copy)
     assert summary.text_prefix == "model." and summary.other_tensors == 0 and summary.extra_text_tensors == 0
 
 
@@ -284,13 +286,13 @@ def test_extra_text_tensors_are_accepted_and_listed(tiny_copy):
     import torch
 
     tensors = load_tensors(tiny_copy / "model.safetensors")
-    tensors[dl.TEXT_PREFIX + "layers.5.self_attn.k_proj.weight"] = torch.zeros(32, 64, dtype=torch.bfloat16)
-    tensors[dl.TEXT_PREFIX + "layers.1.self_attn.extra.weight"] = torch.zeros(4, dtype=torch.bfloat16)
+    tensors[bm.TEXT_PREFIX + "layers.5.self_attn.k_proj.weight"] = torch.zeros(32, 64, dtype=torch.bfloat16)
+    tensors[bm.TEXT_PREFIX + "layers.1.self_attn.extra.weight"] = torch.zeros(4, dtype=torch.bfloat16)
     save_tensors(tensors, tiny_copy / "model.safetensors")
-    summary = dl.validate_checkpoint(tiny_copy)
+    summary = ck.validate_checkpoint(tiny_copy)
     assert summary.extra_text_tensors == 2
-    assert summary.ignored_tensors == (dl.TEXT_PREFIX + "layers.5.self_attn.k_proj.weight",)
-    assert summary.unused_tensors == (dl.TEXT_PREFIX + "layers.1.self_attn.extra.weight",)
+    assert summary.ignored_tensors == (bm.TEXT_PREFIX + "layers.5.self_attn.k_proj.weight",)
+    assert summary.unused_tensors == (bm.TEXT_PREFIX + "layers.1.self_attn.extra.weight",)
 
 
 @pytest.mark.parametrize(
@@ -303,26 +305,26 @@ def test_extra_text_tensors_are_accepted_and_listed(tiny_copy):
 )
 def test_a_config_that_is_not_gemma4_is_refused_naming_the_file(tiny_copy, config, message):
     (tiny_copy / "config.json").write_text(json.dumps(config))
-    with pytest.raises(dl.DownloadError, match=message) as e:
-        dl.validate_checkpoint(tiny_copy)
+    with pytest.raises(ck.CheckpointError, match=message) as e:
+        ck.validate_checkpoint(tiny_copy)
     assert str(tiny_copy / "config.json") in str(e.value)
 
 
 def test_broken_json_and_missing_files_are_named(tiny_copy):
     (tiny_copy / "tokenizer_config.json").write_text("{not json")
-    with pytest.raises(dl.DownloadError, match="tokenizer_config.json is not valid JSON"):
-        dl.validate_checkpoint(tiny_copy)
+    with pytest.raises(ck.CheckpointError, match="tokenizer_config.json is not valid JSON"):
+        ck.validate_checkpoint(tiny_copy)
     (tiny_copy / "tokenizer.json").unlink()
-    with pytest.raises(dl.DownloadError, match="tokenizer.json missing from"):
-        dl.validate_checkpoint(tiny_copy)
+    with pytest.raises(ck.CheckpointError, match="tokenizer.json missing from"):
+        ck.validate_checkpoint(tiny_copy)
 
 
 def test_index_naming_an_absent_shard_is_refused(tiny_copy):
     weight_map = {"x": "model.safetensors", "y": "model-00002-of-00002.safetensors"}
     index = {"metadata": {}, "weight_map": weight_map}
-    (tiny_copy / dl.INDEX_NAME).write_text(json.dumps(index))
-    with pytest.raises(dl.DownloadError, match="names model-00002-of-00002.safetensors, missing"):
-        dl.validate_checkpoint(tiny_copy)
+    (tiny_copy / ck.INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(ck.CheckpointError, match="names model-00002-of-00002.safetensors, missing"):
+        ck.validate_checkpoint(tiny_copy)
 
 
 # ---- the CLI: built-in and --from ----

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from stages.builtin_models import gemma4_config
 from stages.config import load_config
-from stages.download import gemma4_config
 from stages.export import ExportError, run_export
 from stages.geometry import E2B_TEXT_CONFIG
 

@@ -55,3 +55,33 @@ def test_tensor_names_are_spelled_only_in_the_contract():
             if value in names or any(p.match(value) for p in patterns):
                 found.append(f"{path.name}:{line}: {value!r}")
     assert not found, "tensor names outside stages/contract.py:\n" + "\n".join(found)
+
+
+def _stage_imports(path: Path, modules: set[str]) -> set[str]:
+    """The stages modules `path` imports, at the top or inside a function (both run eventually)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "stages":
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stages."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("stages.")}
+    return (found & modules) - {path.stem}
+
+
+def test_the_import_graph_of_stages_has_no_cycles():
+    """A cycle means two modules are one job split badly (compile <-> aihub, download <-> tiny_model
+    were; issue 16); graphlib names the modules of a new one."""
+    from graphlib import CycleError, TopologicalSorter
+
+    paths = sorted((REPO / "stages").glob("*.py"))
+    modules = {p.stem for p in paths}
+    graph = {p.stem: _stage_imports(p, modules) for p in paths}
+    try:
+        order = list(TopologicalSorter(graph).static_order())
+    except CycleError as e:
+        pytest.fail(f"import cycle in stages/: {' -> '.join(e.args[1])}")
+    assert set(order) == modules

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from stages import tiny_model
-from stages.download import build_tokenizer, write_builtin_checkpoint
+from stages.builtin_models import build_tokenizer
+from stages.download import write_builtin_checkpoint
 from stages.geometry import TINY_TEXT_CONFIG, geometry_from_config
 
 

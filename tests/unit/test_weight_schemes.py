@@ -136,3 +136,38 @@ def test_int4_channel_clips_where_that_lowers_the_error():
     assert err.sum() < 0.9 * naive_err.sum()
     # A scale never exceeds max-abs (nothing outside the grid's reach is created).
     assert (scale <= naive * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("limit, folded", [(None, True), (100, False)])
+def test_folding_sessions_fold_weights_over_onnxruntimes_default_limit(tmp_path, monkeypatch, limit, folded):
+    """E2B's lm_head dequantizes to 1.6 GB, over onnxruntime's default 1 GiB folding limit; the
+    folding session raises the limit (checked here through a small limit: the key must be honoured)."""
+    import stages.runner as runner
+
+    if limit is not None:
+        monkeypatch.setattr(runner, "FOLD_LIMIT_BYTES", limit)
+    w = numpy_helper.from_array(np.ones((16, 16), np.int8), "w")
+    s = numpy_helper.from_array(np.array(0.5, np.float32), "s")
+    graph = helper.make_graph(
+        [
+            helper.make_node("DequantizeLinear", ["w", "s"], ["wf"]),
+            helper.make_node("MatMul", ["x", "wf"], ["y"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16])],
+        [w, s],
+    )
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10),
+        tmp_path / "g.onnx",
+    )
+    options = runner.session_options(fold_weights=True)
+    options.log_severity_level = 3
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    session = ort.InferenceSession(str(tmp_path / "g.onnx"), options, providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(
+        session.run(None, {"x": np.ones((1, 16), np.float32)})[0], np.full((1, 16), 8.0)
+    )
+    ops = {n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node}
+    assert ("DequantizeLinear" not in ops) == folded, ops
