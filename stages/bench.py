@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.config import PipelineConfig
-from stages.pipeline import output_dir
+from stages.pipeline import STAGE_NAMES, output_dir
 from stages.report import proc_field_bytes, read_report
 
 STAGES = ("download", "export", "quantize", "compile")
@@ -101,7 +101,9 @@ def to_markdown(result: dict[str, Any], command: str) -> str:
         "| stage | wall | CPU | peak RSS | output |",
         "|---|---|---|---|---|",
     ]
-    for stage, s in result["stages"].items():
+    # Pipeline order: a result read back from its JSON has its keys sorted.
+    for stage in sorted(result["stages"], key=STAGE_NAMES.index):
+        s = result["stages"][stage]
         if s is None:
             lines.append(f"| {stage} | not run | | | |")
             continue
@@ -131,12 +133,20 @@ def to_markdown(result: dict[str, Any], command: str) -> str:
     if plan:
         lines += ["", "Plan (`g4v69 plan --json`) beside the measured:", ""]
         parts = plan.get("parts", [])
-        lines.append("| part | layers | planned params | planned bytes (w8) |")
-        lines.append("|---|---|---|---|")
+        precision = plan.get("config", {}).get("precision", "?")
+        # The v69 limit applies per context binary: the largest estimated allocation of the part's binaries.
+        allocation: dict[str, int] = {}
+        for b in plan.get("binaries", []):
+            allocation[b["part"]] = max(allocation.get(b["part"], 0), b["estimated_allocation"])
+        lines.append(
+            f"| part | layers | planned params | planned bytes ({precision}) | estimated allocation |"
+        )
+        lines.append("|---|---|---|---|---|")
         for p in parts:
+            alloc = allocation.get(p["name"])
             lines.append(
                 f"| {p['name']} | {', '.join(p.get('holds', []))} | {p['params'] / 1e6:.0f} M | "
-                f"{p['bytes'] / 1e9:.2f} GB |"
+                f"{p['bytes'] / 1e9:.2f} GB | {f'{alloc / GIB:.2f} GiB' if alloc else '-'} |"
             )
         lines.append("")
         lines.append(

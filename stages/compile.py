@@ -38,7 +38,7 @@ from typing import Any
 from stages.aihub import AihubError, compile_aihub
 from stages.config import PipelineConfig, stage_fields
 from stages.contract import CACHE_PREFIX
-from stages.encoding import ONNX_TYPE_NAMES, shared_tensor_mismatches
+from stages.encoding import ONNX_TYPE_NAMES, QdqGraph, shared_tensor_mismatches
 from stages.graphs import Binary, binary_layout, qdq_file_name
 from stages.pipeline import output_dir
 from stages.quiet import call_without_native_noise
@@ -193,31 +193,12 @@ def binary_allocation(models: list) -> int:
 # ---- 2. rules ----
 def activation_matmuls(model) -> list[tuple[str, str, str]]:
     """(node, type of A, type of B) for every MatMul whose two operands are activations."""
-    g = model.graph
-    inits = {i.name for i in g.initializer}
-    producers = {o: n for n in g.node for o in n.output}
-    zp_types = {i.name: ONNX_TYPE_NAMES.get(i.data_type, str(i.data_type)) for i in g.initializer}
-    inputs = {i.name: ONNX_TYPE_NAMES.get(i.type.tensor_type.elem_type) for i in g.input}
-
-    def origin(t: str) -> tuple[bool, str]:
-        """(is a constant, type as the MatMul consumes it: the quantized type under a DQ)."""
-        if t in inits:
-            return True, "const"
-        p = producers.get(t)
-        if p is not None and p.op_type == "DequantizeLinear":
-            if p.input[0] in inits:
-                return True, "const"
-            return False, zp_types.get(p.input[2], "float32") if len(p.input) > 2 else "float32"
-        return False, inputs.get(t, "float32")
-
-    found = []
-    for n in g.node:
-        if n.op_type != "MatMul":
-            continue
-        (ca, ta), (cb, tb) = origin(n.input[0]), origin(n.input[1])
-        if not ca and not cb:
-            found.append((n.name, ta, tb))
-    return found
+    view = QdqGraph(model.graph)
+    return [
+        (n.name, view.stored_type(n.input[0]), view.stored_type(n.input[1]))
+        for n in model.graph.node
+        if n.op_type == "MatMul" and not view.is_constant(n.input[0]) and not view.is_constant(n.input[1])
+    ]
 
 
 def check_rules(

@@ -46,6 +46,52 @@ COPY = "copy"
 REQUANTIZE = "requantize"
 
 
+class QdqGraph:
+    """An ONNX graph read through its QuantizeLinear/DequantizeLinear nodes: what type a node really
+    consumes a tensor in, and whether the tensor is a constant. The quantize audit and the compile
+    rules both read types here, so the two cannot trace Q/DQ chains differently."""
+
+    def __init__(self, graph: Any) -> None:
+        self.inits = {i.name: i for i in graph.initializer}
+        self.producer = {o: n for n in graph.node for o in n.output}
+        self.inputs = {i.name: i.type.tensor_type.elem_type for i in graph.input}
+
+    def is_constant(self, tensor: str) -> bool:
+        """An initializer, or an initializer under its DequantizeLinear (a weight)."""
+        p = self.producer.get(tensor)
+        return tensor in self.inits or (
+            p is not None and p.op_type == "DequantizeLinear" and p.input[0] in self.inits
+        )
+
+    def stored_type(self, tensor: str) -> str:
+        """The type `tensor`'s values are stored in: under a DequantizeLinear the quantized type (its zero
+        point has the type of its input, by ONNX's definition), else the tensor's own type; float32
+        for a computed tensor, "?" where a DequantizeLinear's input type cannot be told."""
+        p = self.producer.get(tensor)
+        if p is not None and p.op_type == "DequantizeLinear":
+            src = p.input[0]
+            zp = p.input[2] if len(p.input) > 2 else ""
+            if zp not in self.inits:
+                q = self.producer.get(src)
+                zp = (
+                    q.input[2] if q is not None and q.op_type == "QuantizeLinear" and len(q.input) > 2 else ""
+                )
+            if src in self.inits:
+                return _type_name(self.inits[src].data_type)
+            if zp in self.inits:
+                return _type_name(self.inits[zp].data_type)
+            return _type_name(self.inputs[src]) if src in self.inputs else "?"
+        if tensor in self.inits:
+            return _type_name(self.inits[tensor].data_type)
+        if tensor in self.inputs:
+            return _type_name(self.inputs[tensor])
+        return "float32"
+
+
+def _type_name(elem_type: int) -> str:
+    return ONNX_TYPE_NAMES.get(elem_type, str(elem_type))
+
+
 class EncodingError(ValueError):
     pass
 

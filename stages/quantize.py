@@ -46,7 +46,7 @@ from stages.contract import (
     GraphSpec,
     constructed_input_ranges,
 )
-from stages.encoding import ONNX_TYPE_NAMES, Encoding
+from stages.encoding import ONNX_TYPE_NAMES, Encoding, QdqGraph
 from stages.graphs import qdq_file_name
 from stages.pipeline import output_dir
 from stages.precision import INT8_CHANNEL
@@ -543,23 +543,8 @@ def audit(
     import onnx
 
     graph = qmodel.graph
-    inits = {i.name: i for i in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output}
-
-    def tensor_type(t: str) -> str:
-        p = producer.get(t)
-        if p is not None and p.op_type == "DequantizeLinear":
-            src = p.input[0]
-            if src in inits:
-                return ONNX_TYPE_NAMES.get(inits[src].data_type, str(inits[src].data_type))
-            q = producer.get(src)
-            zp = (
-                q.input[2] if q is not None and len(q.input) > 2 else (p.input[2] if len(p.input) > 2 else "")
-            )
-            return ONNX_TYPE_NAMES.get(inits[zp].data_type, "?") if zp in inits else "?"
-        if t in inits:
-            return ONNX_TYPE_NAMES.get(inits[t].data_type, str(inits[t].data_type))
-        return "float32"
+    view = QdqGraph(graph)
+    inits, producer, tensor_type = view.inits, view.producer, view.stored_type
 
     nodes = {n.name: n for n in graph.node}
     problems: list[str] = []
