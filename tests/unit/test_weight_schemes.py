@@ -138,6 +138,17 @@ def test_int4_channel_clips_where_that_lowers_the_error():
     assert (scale <= naive * (1 + 1e-6)).all()
 
 
+def test_int4_channel_is_the_same_on_any_number_of_threads():
+    """Columns are searched in blocks on threads; the bytes must not depend on how many."""
+    rng = np.random.default_rng(5)
+    w = (rng.normal(size=(96, 37)) * rng.uniform(0.01, 2.0, 37)).astype(np.float32)
+    w[:, 4] = 0.0  # an all-zero column keeps scale 1/7
+    one = int4_channel(w, workers=1)
+    for workers in (2, 3, 37, 64):
+        q, scale = int4_channel(w, workers=workers)
+        assert q.tobytes() == one[0].tobytes() and scale.tobytes() == one[1].tobytes()
+
+
 @pytest.mark.parametrize("limit, folded", [(None, True), (100, False)])
 def test_folding_sessions_fold_weights_over_onnxruntimes_default_limit(tmp_path, monkeypatch, limit, folded):
     """E2B's lm_head dequantizes to 1.6 GB, over onnxruntime's default 1 GiB folding limit; the
