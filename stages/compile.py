@@ -73,7 +73,9 @@ class CompileError(ValueError):
 
 # ---- 1. prepare ----
 @dataclass(frozen=True)
-class Encoding:
+class IoTensor:
+    """A graph input or output as compiled/report.json records it (read back by encoding.Encoding.of_io)."""
+
     dtype: str
     shape: tuple[int, ...]
     scale: float | None = None
@@ -86,7 +88,7 @@ class Encoding:
         return d
 
 
-def prepare_io(model) -> dict[str, dict[str, Encoding]]:
+def prepare_io(model) -> dict[str, dict[str, IoTensor]]:
     """Fold boundary QuantizeLinear/DequantizeLinear into the graph's inputs and outputs, in place.
 
     An input read only by a QuantizeLinear becomes that quantized tensor; an output written by a
@@ -107,13 +109,13 @@ def prepare_io(model) -> dict[str, dict[str, Encoding]]:
     def shape(v) -> tuple[int, ...]:
         return tuple(d.dim_value for d in v.type.tensor_type.shape.dim)
 
-    encodings: dict[str, dict[str, Encoding]] = {"inputs": {}, "outputs": {}}
+    encodings: dict[str, dict[str, IoTensor]] = {"inputs": {}, "outputs": {}}
     drop = []
     for inp in g.input:
         readers = consumers(inp.name)
         q = readers[0] if len(readers) == 1 and readers[0].op_type == "QuantizeLinear" else None
         if q is None or len(q.input) < 3:
-            encodings["inputs"][inp.name] = Encoding(
+            encodings["inputs"][inp.name] = IoTensor(
                 ONNX_TYPE_NAMES[inp.type.tensor_type.elem_type], shape(inp)
             )
             continue
@@ -122,14 +124,14 @@ def prepare_io(model) -> dict[str, dict[str, Encoding]]:
         for n in consumers(q.output[0]):
             n.input[:] = [inp.name if i == q.output[0] else i for i in n.input]
         drop.append(q)
-        encodings["inputs"][inp.name] = Encoding(
+        encodings["inputs"][inp.name] = IoTensor(
             ONNX_TYPE_NAMES[zp.data_type], shape(inp), scalar(q.input[1]), -int(scalar(q.input[2]))
         )
     producers = {o: n for n in g.node for o in n.output}
     for out in g.output:
         dq = producers.get(out.name)
         if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) < 3:
-            encodings["outputs"][out.name] = Encoding(
+            encodings["outputs"][out.name] = IoTensor(
                 ONNX_TYPE_NAMES[out.type.tensor_type.elem_type], shape(out)
             )
             continue
@@ -148,7 +150,7 @@ def prepare_io(model) -> dict[str, dict[str, Encoding]]:
                 n.input[:] = [dq.output[0] if i == out.name else i for i in n.input]
         else:
             drop.append(dq)
-        encodings["outputs"][out.name] = Encoding(
+        encodings["outputs"][out.name] = IoTensor(
             ONNX_TYPE_NAMES[zp.data_type], shape(out), scalar(dq.input[1]), -int(scalar(dq.input[2]))
         )
     for n in drop:
@@ -205,7 +207,7 @@ def check_rules(
     soc: Soc,
     layout: list[Binary],
     graphs: dict[str, Any],
-    encodings: dict[str, dict[str, dict[str, Encoding]]],
+    encodings: dict[str, dict[str, dict[str, IoTensor]]],
 ) -> list[str]:
     """Every way the prepared graphs break the SoC's rules, as readable lines (empty: all good)."""
     problems = []
@@ -237,7 +239,7 @@ def check_rules(
     return problems
 
 
-def _cross_part_mismatches(encodings: dict[str, dict[str, dict[str, Encoding]]]) -> list[str]:
+def _cross_part_mismatches(encodings: dict[str, dict[str, dict[str, IoTensor]]]) -> list[str]:
     """A tensor named by more than one graph (a part's output read by the next part, a cache, a mask,
     a LUT-fed input shared by prefill and decode) must be the same bytes in all of them."""
     io = {
@@ -454,7 +456,7 @@ def _load_quantized(cfg: PipelineConfig, workdir: Path) -> tuple[Path, dict[str,
 
 def prepare_graphs(
     sources: dict[str, Path], dest: Path
-) -> tuple[dict[str, Path], dict[str, Any], dict[str, dict[str, dict[str, Encoding]]]]:
+) -> tuple[dict[str, Path], dict[str, Any], dict[str, dict[str, dict[str, IoTensor]]]]:
     """Prepared copies of the QDQ graphs in dest; returns (paths, models without weights, encodings)."""
     import onnx
 
