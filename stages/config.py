@@ -62,6 +62,15 @@ class PipelineConfig:
     max_context: int = field(metadata=_meta("export", "context length in tokens (KV cache slots)"))
     prefill_ar: int = field(metadata=_meta("export", "tokens per prefill graph call (AR-N)"))
     decode_ar: int = field(metadata=_meta("export", "tokens per decode graph call"))
+    # A twin of the prefill graphs at a larger AR, exported for calibration only (never compiled):
+    # with AR-1 graphs every calibration token is a call through the whole float chain.
+    calibration_ar: int = field(
+        metadata=_meta(
+            "export",
+            "tokens per calibration call at least: a calibration-only twin of the prefill graphs "
+            "when prefill_ar is smaller (0: none)",
+        )
+    )
     num_shards: int = field(metadata=_meta("export", "decoder parts, one context binary each per graph"))
     compiler: str = field(metadata=_meta("compile", "local (onnxruntime-qnn offline) or aihub (cloud)"))
     qairt_version: str = field(
@@ -236,6 +245,11 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
             )
     if cfg.decode_ar > cfg.prefill_ar:
         raise ConfigError("decode_ar", f"{cfg.decode_ar} must not exceed prefill_ar ({cfg.prefill_ar})")
+    if not 0 <= cfg.calibration_ar < cfg.max_context:
+        raise ConfigError(
+            "calibration_ar",
+            f"{cfg.calibration_ar} is out of range; allowed values: 0..{cfg.max_context - 1} (0: no twin)",
+        )
     _at_least("num_shards", cfg.num_shards, 1)
     _one_of("compiler", cfg.compiler, COMPILERS)
     if not _QAIRT_VERSION.match(cfg.qairt_version):
@@ -243,6 +257,13 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
     _one_of("calibration_dataset", cfg.calibration_dataset, CALIBRATION_DATASETS)
     _at_least("calibration_samples", cfg.calibration_samples, 1)
     _at_least("calibration_tokens", cfg.calibration_tokens, 2)
+    twin = cfg.calibration_ar > cfg.prefill_ar  # stages.graphs.calibration_kind
+    if twin and cfg.calibration_ar > cfg.calibration_tokens:
+        raise ConfigError(
+            "calibration_tokens",
+            f"{cfg.calibration_tokens} is less than one call of the calibration twin graphs "
+            f"(calibration_ar {cfg.calibration_ar}); raise it or lower calibration_ar",
+        )
     _one_of("ple_policy", cfg.ple_policy, PLE_POLICIES)
     _one_of("ple_lut_bits", cfg.ple_lut_bits, PLE_LUT_BITS)
     _one_of("kv_bits", cfg.kv_bits, KV_BITS)

@@ -28,7 +28,7 @@ from typing import Any
 
 from stages.config import PipelineConfig
 from stages.geometry import FULL, SLIDING, Geometry
-from stages.graphs import GraphKind, graph_kinds, graph_name, part_name
+from stages.graphs import GraphKind, calibration_kind, graph_kinds, graph_name, part_name
 
 # Masked positions get this additive value (qai-hub-models' Gemma 4 clips its masks to -100 as well);
 # a quantized mask then spans [-100, 0] instead of the whole float range.
@@ -62,7 +62,7 @@ class GraphSpec:
     name: str
     part: int  # 1-based
     num_parts: int
-    role: str  # prefill | decode
+    role: str  # prefill | decode | calibration (a twin, stages.graphs.calibration_kind)
     ar: int
     context: int
     layers: tuple[int, ...]
@@ -168,7 +168,7 @@ def cache_slots(geo: Geometry, attention: str, context: int, ar: int) -> int:
 def check_fits(geo: Geometry, cfg: PipelineConfig) -> None:
     """The contract's assumptions about the config, checked before any graph is built."""
     uses_sliding = any(layer.attention == SLIDING for layer in geo.layers)
-    for kind in graph_kinds(cfg):
+    for kind in _exported_kinds(cfg):
         if uses_sliding and cfg.max_context - kind.ar < geo.sliding_window:
             raise ContractError(
                 f"max_context ({cfg.max_context}) minus the {kind.role} AR ({kind.ar}) is smaller than the "
@@ -177,12 +177,20 @@ def check_fits(geo: Geometry, cfg: PipelineConfig) -> None:
             )
 
 
-def graph_specs(geo: Geometry, cfg: PipelineConfig, parts: list[range]) -> list[GraphSpec]:
-    """Every graph of the job: for each graph kind (prefill, decode), one per part."""
+def _exported_kinds(cfg: PipelineConfig) -> list[GraphKind]:
+    twin = calibration_kind(cfg)
+    return graph_kinds(cfg) + ([twin] if twin else [])
+
+
+def graph_specs(
+    geo: Geometry, cfg: PipelineConfig, parts: list[range], calibration: bool = False
+) -> list[GraphSpec]:
+    """Every graph of the job: for each graph kind (prefill, decode), one per part; with `calibration`
+    also the calibration-only twins (what the export stage writes)."""
     check_fits(geo, cfg)
     return [
         part_graph_spec(geo, kind, cfg.max_context, parts, p)
-        for kind in graph_kinds(cfg)
+        for kind in (_exported_kinds(cfg) if calibration else graph_kinds(cfg))
         for p in range(len(parts))
     ]
 

@@ -2,7 +2,8 @@
 
 For each part (layers balanced by weight bytes, `stages.plan.part_layers`, the same split the plan
 prices) the part's weights are read from the memory-mapped safetensors as float32, every graph kind
-(prefill AR-N, decode AR-1) is exported with torch.onnx (dynamo, opset 23: fused RMSNormalization
+(prefill AR-N, decode AR-1, and the calibration-only twin of the prefill kind at `calibration_ar`,
+`stages.graphs.calibration_kind`) is exported with torch.onnx (dynamo, opset 23: fused RMSNormalization
 and Gelu), checked against the torch module with onnxruntime, and the weights are dropped before the
 next part: at most one part's weights are ever held in float32.
 
@@ -173,7 +174,7 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     geo = ckpt.geometry
     try:
         parts = part_layers(geo, cfg)
-        specs = graph_specs(geo, cfg, parts)
+        specs = graph_specs(geo, cfg, parts, calibration=True)
     except (PartitionError, ValueError) as e:
         raise ExportError(str(e)) from None
     # The parts are cut here, so a part the compiler would refuse is refused before anything is built.

@@ -14,7 +14,7 @@ from stages.config import PipelineConfig
 
 @dataclass(frozen=True)
 class GraphKind:
-    role: str  # "prefill" or "decode"
+    role: str  # "prefill", "decode" or CALIBRATION_ROLE
     ar: int  # tokens per call
 
 
@@ -23,6 +23,21 @@ def graph_kinds(cfg: PipelineConfig) -> list[GraphKind]:
     if cfg.separate_prefill_and_decode:
         return [GraphKind("prefill", cfg.prefill_ar), GraphKind("decode", cfg.decode_ar)]
     return [GraphKind("prefill", cfg.prefill_ar)]
+
+
+# The role of the calibration-only twins (`calibration_kind`): exported, never quantized or shipped.
+CALIBRATION_ROLE = "calibration"
+
+
+def calibration_kind(cfg: PipelineConfig) -> GraphKind | None:
+    """A twin of the prefill kind at `calibration_ar` tokens per call when prefill_ar is smaller.
+
+    It computes what the prefill graphs compute, so its tensors hold the same values the shipped graphs
+    would see on the same text (up to float rounding), in 1/AR as many calls: the quantize stage
+    calibrates the shipped graphs from it (`stages.quantize`, which checks the twin node for node)."""
+    if cfg.calibration_ar <= cfg.prefill_ar:
+        return None  # the prefill graphs take as many tokens per call already
+    return GraphKind(CALIBRATION_ROLE, cfg.calibration_ar)
 
 
 def part_name(part: int, num_parts: int) -> str:

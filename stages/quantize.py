@@ -15,7 +15,9 @@ a quality report.
   their LUT's encoding, whatever the PLE policy, so Genie copies LUT rows into them byte for byte
   (it has no path from a fixed-point LUT into a float input: `stages.encoding`). Under the float16
   policy the graph dequantizes `per_layer_inputs` right away and the PLE path after it stays float.
-- Calibration (MinMax) streams graph inputs from the float chain on real text (`stages.calibration`).
+- Calibration (MinMax) streams graph inputs from the float chain on real text (`stages.calibration`);
+  AR-1 prefill graphs calibrate through their twin at `calibration_ar` (same ranges up to rounding,
+  except the attention scores before the mask, which the twin's chunk widens: `twin_tensor_names`).
 
 Every quantized graph is audited (KV and activation-matmul bit widths, the PLE policy tensor by tensor,
 no float tensor left outside the PLE policy); the stage fails if an audit fails.
@@ -48,7 +50,7 @@ from stages.contract import (
     constructed_input_ranges,
 )
 from stages.encoding import ONNX_TYPE_NAMES, Encoding, QdqGraph
-from stages.graphs import qdq_file_name
+from stages.graphs import calibration_kind, qdq_file_name
 from stages.pipeline import output_dir
 from stages.precision import INT8_CHANNEL
 from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
@@ -1240,6 +1242,60 @@ def calibrate_kind(
     }
 
 
+# ---- calibration on a twin at a larger AR ----
+# The twin (stages.graphs.calibration_kind) is the same module exported at another AR: torch emits the
+# same nodes in the same order, only some Reshape outputs are numbered differently (`view_8` here,
+# `_unsafe_view` there). Each call's tensors hold the values the shipped graph computes for the same
+# tokens, AR rows at once, so MinMax ranges agree up to float rounding (and the samples are cut to whole
+# twin calls: no padding rows the shipped graph never sees). One exception: the attention scores
+# before the mask (Q.K^T up to the mask's Add) also score each token against the later tokens of its
+# chunk, masked afterwards; those ranges come out wider (1-12% on the tiny model), never narrower, so
+# nothing is clipped (tests/integration/test_calibration_twin.py). The ranges move over node for node,
+# after a check that the two graphs are wired alike.
+def twin_tensor_names(twin: Path, graph: Path) -> dict[str, str]:
+    """Twin tensor name -> the shipped graph's name for the same tensor, for every graph input and
+    node output; QuantizeError when the two graphs are not the same nodes wired the same way."""
+    import onnx
+
+    a = onnx.load(str(twin), load_external_data=False).graph
+    b = onnx.load(str(graph), load_external_data=False).graph
+    names = {t.name: t.name for t in a.input}
+    problem = None
+    if [t.name for t in a.input] != [t.name for t in b.input]:
+        problem = "their inputs differ"
+    elif len(a.node) != len(b.node):
+        problem = f"{len(a.node)} nodes against {len(b.node)}"
+    else:
+        for i, (x, y) in enumerate(zip(a.node, b.node, strict=True)):
+            if (x.op_type, len(x.input), len(x.output)) != (y.op_type, len(y.input), len(y.output)):
+                problem = f"node {i} is {x.op_type} in one and {y.op_type} in the other"
+                break
+            # Initializers (weights, shape constants) are not in `names`: only wiring is compared.
+            if any(names.get(u, v) != v for u, v in zip(x.input, y.input, strict=True)):
+                problem = f"node {i} ({x.op_type}) reads other tensors"
+                break
+            names.update(zip(x.output, y.output, strict=True))
+    if problem is None and [names.get(t.name) for t in a.output] != [t.name for t in b.output]:
+        problem = "their outputs differ"
+    if problem:
+        raise QuantizeError(
+            f"the calibration twin {twin.name} is not node for node the graph {graph.name} ({problem}); "
+            "calibrate on the shipped graphs instead: G4V69_CALIBRATION_AR=0 (re-exports)"
+        )
+    return names
+
+
+def twin_ranges(twin: Path, graph: Path, ranges_file: Path, dest: Path) -> Path:
+    """The twin's calibration cache (onnxruntime's JSON) with tensors named as in the shipped graph."""
+    import json
+
+    names = twin_tensor_names(twin, graph)
+    cache = json.loads(ranges_file.read_text())
+    cache["data"] = {names[k]: v for k, v in cache["data"].items() if k in names}
+    dest.write_text(json.dumps(cache))
+    return dest
+
+
 # ---- the stage ----
 @dataclass
 class QuantizedGraphs:
@@ -1271,6 +1327,12 @@ def quantize_graphs(
     from stages.runner import HostRunner
 
     runner = HostRunner.from_export(export_dir, luts=True)
+    # The prefill kind calibrates on its twin when the export made one (calibration_ar).
+    twin = (
+        HostRunner.from_export(export_dir, luts=True, calibration_twin=True)
+        if calibration_kind(cfg)
+        else None
+    )
     luts = read_report(export_dir)["figures"]["luts"]
     result: QuantizedGraphs | None = None
     progress = tqdm(
@@ -1282,10 +1344,11 @@ def quantize_graphs(
         # Scratch inside this stage's own folder (augmented graphs, ranges, links to the float graphs).
         with tempfile.TemporaryDirectory(prefix=".calibration-", dir=out_dir) as tmp:
             collector = RangeCollector() if role == "prefill" else None
+            chain = twin if twin is not None and role == "prefill" else runner
             t0 = time.perf_counter()
             calibrated = calibrate_kind(
                 cfg,
-                runner,
+                chain,
                 role,
                 samples,
                 decode_steps,
@@ -1305,7 +1368,16 @@ def quantize_graphs(
                 )
             for spec, src in runner.graphs[role]:
                 t0 = time.perf_counter()
-                ranges_file, count, graph_stride_used = calibrated[spec.name]
+                calibrated_on = spec.name
+                if chain is twin:
+                    twin_spec, twin_src = twin.graphs["prefill"][spec.part - 1]
+                    calibrated_on = twin_spec.name
+                    ranges_file, count, graph_stride_used = calibrated[twin_spec.name]
+                    ranges_file = twin_ranges(
+                        twin_src, src, ranges_file, Path(tmp) / f"{spec.name}.ranges.json"
+                    )
+                else:
+                    ranges_file, count, graph_stride_used = calibrated[spec.name]
                 model = onnx.load(str(src), load_external_data=False)
                 analysis = analyse(model)
                 io_names = {t.name for t in (*model.graph.input, *model.graph.output)}
@@ -1332,6 +1404,7 @@ def quantize_graphs(
                     {
                         "name": spec.name,
                         "qdq_onnx": dest.name,
+                        "calibrated_on": calibrated_on,
                         "calibration_calls": count,
                         "calibration_stride": graph_stride_used,
                         "quantize_s": round(share + time.perf_counter() - t0, 3),
@@ -1352,7 +1425,15 @@ def _quality(cfg, export_dir: Path, q: QuantizedGraphs, eval_samples, decode_ste
     quantized = HostRunner.from_export(
         export_dir, luts=True, graph_dir=next(iter(q.paths.values())).parent, fold_weights=True
     )
-    chains = compare_chains(fp, quantized, eval_samples, decode_steps)
+    # Float logits from the twin when prefill is the only kind: the same chain computed AR rows per
+    # call (a held-out token is then 1/AR of a float call; the quantized side stays the shipped graphs).
+    one_kind = not cfg.separate_prefill_and_decode
+    fp_chain = (
+        HostRunner.from_export(export_dir, luts=True, calibration_twin=True)
+        if calibration_kind(cfg) and one_kind
+        else fp
+    )
+    chains = compare_chains(fp_chain, quantized, eval_samples, decode_steps)
     prefill = {name: p for name, p in q.paths.items() if name.startswith("prefill")}
     # One sample's first SQNR_TOKENS: the per-graph SQNR reruns the float chain up to each graph, which
     # at AR-1 is a part call per token per graph (the whole tiny sample; a quarter of an E2B one).
@@ -1431,8 +1512,13 @@ def run_quantize(
 
     tok = ChatTokenizer(checkpoint_dir)
     bos = Checkpoint(checkpoint_dir).geometry.config.get("bos_token_id", 2)
-    # A sample must fit the context the graphs were built for (whole prefill chunks).
-    length = min(cfg.calibration_tokens, cfg.max_context - cfg.max_context % cfg.prefill_ar)
+    # A sample must fit the context the graphs were built for (whole prefill chunks); on a twin, whole
+    # twin calls (a padded row would widen ranges with values the shipped graphs never compute).
+    twin = calibration_kind(cfg)
+    ar = twin.ar if twin else cfg.prefill_ar
+    length = min(cfg.calibration_tokens, cfg.max_context - cfg.max_context % ar)
+    if twin:
+        length -= length % ar
     texts = load_texts(cfg, "calibration", calibration_files)
     samples = token_samples(texts, tok.encode, bos, cfg.calibration_samples, length)
     eval_samples = token_samples(
@@ -1510,6 +1596,8 @@ def run_quantize(
                     "samples": len(samples),
                     "tokens_per_sample": length,
                     "decode_steps_per_sample": decode_steps,
+                    "tokens_per_call": ar,
+                    "on_twin": twin is not None,
                     "method": method,
                     "stride": stride,
                 },

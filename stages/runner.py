@@ -31,7 +31,7 @@ from stages.contract import (
     rope_name,
 )
 from stages.geometry import FULL, SLIDING, Geometry
-from stages.graphs import qdq_file_name
+from stages.graphs import CALIBRATION_ROLE, qdq_file_name
 
 # onnxruntime's constant-folding output limit for sessions that fold weights (its default is 1 GiB).
 FOLD_LIMIT_BYTES = 1 << 40
@@ -292,11 +292,17 @@ class HostRunner:
 
     @classmethod
     def from_export(
-        cls, export_dir: Path, luts: bool = False, graph_dir: Path | None = None, **kw
+        cls,
+        export_dir: Path,
+        luts: bool = False,
+        graph_dir: Path | None = None,
+        calibration_twin: bool = False,
+        **kw,
     ) -> HostRunner:
         """A runner over exported/ (its report.json lists the graphs), with the checkpoint's float
         embeddings, or with the quantized Genie LUTs when `luts`. `graph_dir` swaps in other files of
-        the same graphs (the quantized ones: `<graph>.qdq.onnx`)."""
+        the same graphs (the quantized ones: `<graph>.qdq.onnx`). The calibration-only twins are left
+        out, or with `calibration_twin` are the only graphs, run as the prefill kind."""
         from stages.checkpoint import Checkpoint
 
         report = json.loads((export_dir / "report.json").read_text())
@@ -306,8 +312,12 @@ class HostRunner:
         graphs: dict[str, list[tuple[GraphSpec, Path]]] = {}
         for g in fig["graphs"]:
             spec = GraphSpec.from_dict(g["spec"])
+            if (spec.role == CALIBRATION_ROLE) != calibration_twin:
+                continue
             path = graph_dir / qdq_file_name(spec.name) if graph_dir else export_dir / g["onnx"]
-            graphs.setdefault(spec.role, []).append((spec, path))
+            graphs.setdefault("prefill" if calibration_twin else spec.role, []).append((spec, path))
+        if not graphs:
+            raise RunnerError(f"{export_dir / 'report.json'} lists no {'twin ' * calibration_twin}graphs")
         for parts in graphs.values():
             parts.sort(key=lambda sp: sp[0].part)
         if luts:

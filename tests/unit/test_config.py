@@ -18,11 +18,13 @@ def test_default_preset_is_the_real_job():
     assert cfg.soc == "SM8450" and cfg.precision == "w4a16"
     assert (cfg.max_context, cfg.prefill_ar, cfg.decode_ar, cfg.num_shards) == (2048, 1, 1, 4)
     assert cfg.compiler == "local" and cfg.ple_policy == "float16"
+    # The original plan's 20 x 2048, through the AR-128 calibration twin.
     assert (cfg.calibration_dataset, cfg.calibration_samples, cfg.calibration_tokens) == (
         "wikitext-2-raw-v1",
-        4,
-        512,
+        20,
+        2048,
     )
+    assert cfg.calibration_ar == 128
     assert cfg.kv_cache_bits == 8  # v69 has no 16x16 matmul
     assert cfg.checkpoint_name == "gemma-4-e2b-it"
 
@@ -151,3 +153,17 @@ def test_the_makefile_helper_prints_the_model_and_its_folder(tmp_path):
     assert helper("--preset", "tiny").stdout.split()[:2] == ["tiny", "tiny"]
     bad = helper("--from", str(tmp_path / "a b"))
     assert bad.returncode == 1 and "set MODEL" in bad.stderr
+
+
+def test_calibration_twin_bounds():
+    from stages.graphs import calibration_kind
+
+    cfg = load_config()
+    assert calibration_kind(cfg).ar == 128 and calibration_kind(cfg).role == "calibration"
+    # A prefill kind as wide as the twin calibrates itself: no twin, nothing refused.
+    assert calibration_kind(cfg.with_overrides(prefill_ar=128)) is None
+    assert calibration_kind(cfg.with_overrides(calibration_ar=0)) is None
+    with pytest.raises(ConfigError, match="calibration_ar"):
+        cfg.with_overrides(calibration_ar=2048)
+    with pytest.raises(ConfigError, match="calibration_tokens"):
+        cfg.with_overrides(calibration_tokens=64)
