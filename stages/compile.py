@@ -441,11 +441,6 @@ def _load_quantized(cfg: PipelineConfig, workdir: Path) -> tuple[Path, dict[str,
         raise CompileError(
             f"{q_dir} holds no finished quantize stage (no {REPORT_NAME}); run `make quantize` first"
         )
-    if report["options"].get("soc") != cfg.soc:
-        raise CompileError(
-            f"{q_dir} was quantized for {report['options'].get('soc')}, not {cfg.soc}; run `make quantize` "
-            f"with SOC={cfg.soc}"
-        )
     paths = {g["name"]: q_dir / g["qdq_onnx"] for g in report["figures"]["graphs"]}
     wanted = [g for b in binary_layout(cfg) for g in b.graphs]
     missing = [qdq_file_name(g) for g in wanted if g not in paths or not paths[g].is_file()]
@@ -480,7 +475,7 @@ def run_compile(
 
     soc = cfg.soc_info
     q_dir, q_report, sources = _load_quantized(cfg, workdir)
-    check_inputs(workdir, [q_dir])
+    check_inputs(workdir, [q_dir], cfg)
     layout = binary_layout(cfg)
     out_dir = output_dir(workdir, "compile")
     options = {"model": cfg.model, "soc": cfg.soc, **{k: getattr(cfg, k) for k in stage_fields("compile")}}

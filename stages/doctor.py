@@ -41,11 +41,14 @@ def disk_need_bytes(cfg: PipelineConfig) -> int | None:
     geo = builtin_geometry(cfg.model)
     if geo is None:
         return None
+    from stages.graphs import calibration_kind
     from stages.plan import make_plan
 
     plan = make_plan(geo, cfg)
     checkpoint = geo.total_params * 2
     exported = plan.params["in_graphs"] * 4 + sum(plan.luts.values())
+    if calibration_kind(cfg):  # the calibration twins: one more float copy of every part
+        exported += 4 * sum(p.params for p in plan.parts)
     quantized = sum(p.bytes for p in plan.parts) * 2
     compiled = sum(g.bytes for g in plan.graphs)
     bundle = compiled + sum(plan.luts.values())

@@ -169,7 +169,7 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
         raise ExportError(
             f"{checkpoint_dir} is not a complete download (no {REPORT_NAME}); run `make download` first"
         )
-    check_inputs(workdir, [checkpoint_dir])
+    check_inputs(workdir, [checkpoint_dir], cfg)
     ckpt = Checkpoint(checkpoint_dir)
     geo = ckpt.geometry
     try:

@@ -25,7 +25,6 @@ no float tensor left outside the PLE policy); the stage fails if an audit fails.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import tempfile
@@ -53,6 +52,7 @@ from stages.encoding import ONNX_TYPE_NAMES, Encoding, QdqGraph
 from stages.graphs import calibration_kind, qdq_file_name
 from stages.pipeline import output_dir
 from stages.precision import INT8_CHANNEL
+from stages.quality import EVAL_SAMPLES, SQNR_TOKENS, compare_chains, output_sqnr, write_quality_html
 from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
 
 # Ops that move or regroup values without changing them: a tensor and its image share an encoding.
@@ -88,8 +88,6 @@ CALIBRATION_METHODS = {
     "entropy": lambda: _method("Entropy"),
     "percentile": lambda: _method("Percentile"),
 }
-EVAL_SAMPLES = 4
-SQNR_TOKENS = 128
 
 
 class QuantizeError(ValueError):
@@ -711,121 +709,6 @@ def audit(
         "lut_inputs": lut_fed,
         "problems": problems,
     }
-
-
-# ---- quality ----
-def chain_logits(runner, samples: list[list[int]], decode_steps: int) -> list[np.ndarray]:
-    """Teacher-forced logits for every position but the last of each sample: its beginning through
-    the prefill graphs, the rest as decode steps. All prefills run first and their cache states are
-    kept, so prefill and decode graphs (each a full copy of the weights) are never loaded together."""
-    from tqdm import tqdm
-
-    from stages.calibration import decode_split
-
-    use_decode = "decode" in runner.graphs
-    splits = [decode_split(s, decode_steps if use_decode else 0) for s in samples]
-    progress = tqdm(
-        total=len(samples) + sum(max(len(tail) - 1, 0) for _, tail in splits),
-        desc="evaluate",
-        unit="call",
-        leave=False,
-    )
-    heads = []
-    for head, tail in splits:
-        runner.reset()
-        heads.append((runner.prefill(head), runner.snapshot(), tail))
-        progress.update()
-    runner.release("prefill")
-    out = []
-    for sample, (logits, state, tail) in zip(samples, heads, strict=True):
-        runner.restore(state)
-        rows = [logits]
-        for tok in tail[:-1]:
-            rows.append(runner.step([tok]))
-            progress.update()
-        out.append(np.concatenate(rows)[: len(sample) - 1])
-    runner.release("decode")
-    progress.close()
-    return out
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-def compare_chains(fp_runner, q_runner, samples: list[list[int]], decode_steps: int) -> dict[str, float]:
-    agree, kl, nll_fp, nll_q, count = 0, 0.0, 0.0, 0.0, 0
-    fp_logits = chain_logits(fp_runner, samples, decode_steps)
-    q_logits = chain_logits(q_runner, samples, decode_steps)
-    for sample, fp, q in zip(samples, fp_logits, q_logits, strict=True):
-        lp_fp, lp_q = _log_softmax(fp), _log_softmax(q)
-        targets = np.array(sample[1:])
-        idx = np.arange(len(targets))
-        agree += int((lp_fp.argmax(-1) == lp_q.argmax(-1)).sum())
-        kl += float((np.exp(lp_fp) * (lp_fp - lp_q)).sum())
-        nll_fp -= float(lp_fp[idx, targets].sum())
-        nll_q -= float(lp_q[idx, targets].sum())
-        count += len(targets)
-    return {
-        "tokens": count,
-        "top1_agreement": round(agree / count, 4),
-        "kl_divergence": round(kl / count, 5),
-        "perplexity_fp": round(math.exp(nll_fp / count), 4),
-        "perplexity_quantized": round(math.exp(nll_q / count), 4),
-    }
-
-
-def output_sqnr(fp_runner, q_paths: dict[str, Path], samples: list[list[int]]) -> dict[str, dict[str, float]]:
-    """Per graph and output, the SQNR (dB) of the quantized graph fed the float chain's inputs.
-
-    One graph at a time: the float chain runs up to that graph's part and only that quantized graph
-    is loaded beside it."""
-    import onnxruntime as ort
-
-    from stages.runner import session_options
-
-    out: dict[str, dict[str, float]] = {}
-    for spec, _ in fp_runner.graphs["prefill"]:
-        session = ort.InferenceSession(
-            str(q_paths[spec.name]), session_options(fold_weights=True), providers=["CPUExecutionProvider"]
-        )
-        signal: dict[str, float] = defaultdict(float)
-        noise: dict[str, float] = defaultdict(float)
-
-        def observe(
-            seen: GraphSpec,
-            feeds: dict,
-            outputs: dict,
-            _n: int,
-            spec=spec,
-            session=session,
-            signal=signal,
-            noise=noise,
-        ) -> None:
-            if seen.name != spec.name:
-                return
-            got = session.run(list(outputs), feeds)
-            for (name, ref), q in zip(outputs.items(), got, strict=True):
-                signal[name] += float(np.square(ref, dtype=np.float64).sum())
-                noise[name] += float(np.square(ref - q, dtype=np.float64).sum())
-
-        fp_runner.observer = observe
-        try:
-            for sample in samples:
-                fp_runner.reset()
-                for i in range(0, len(sample), fp_runner.prefill_ar):
-                    fp_runner.step(sample[i : i + fp_runner.prefill_ar], role="prefill", parts=spec.part)
-        finally:
-            fp_runner.observer = None
-        del session
-        out[spec.name] = {
-            name: round(10 * math.log10(s / noise[name]), 2) if noise[name] > 0 else 99.0
-            for name, s in signal.items()
-        }
-    fp_runner.release("prefill")
-    return out
 
 
 # ---- calibration and quantization, in two steps ----
@@ -1493,7 +1376,6 @@ def run_quantize(
 
     from stages.calibration import load_texts, token_samples
     from stages.chat import ChatTokenizer
-    from stages.quality_report import write_quality_html
 
     calibration_providers = _providers(provider)
     export_dir = output_dir(workdir, "export")
@@ -1507,7 +1389,7 @@ def run_quantize(
         raise QuantizeError(
             f"{export_dir} is incomplete: {', '.join(missing)} missing; run `make export` again"
         )
-    check_inputs(workdir, [export_dir, checkpoint_dir])
+    check_inputs(workdir, [export_dir, checkpoint_dir], cfg)
     from stages.checkpoint import Checkpoint
 
     tok = ChatTokenizer(checkpoint_dir)

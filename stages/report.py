@@ -22,9 +22,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stages.pipeline import PIPELINE
+
+if TYPE_CHECKING:
+    from stages.config import PipelineConfig
 
 REPORT_NAME = "report.json"
 # Distributions whose versions a report records when installed; the ones a stage uses are a subset.
@@ -107,12 +110,14 @@ def _invalidate(workdir: Path, stage: str, folder: Path) -> None:
         stamp.unlink(missing_ok=True)
 
 
-def check_inputs(workdir: Path, paths: list[Path]) -> None:
+def check_inputs(workdir: Path, paths: list[Path], config: PipelineConfig | None = None) -> None:
     """Check the files a stage is about to read against the sha256 values the stages that made them
-    recorded in their report.json (a folder: every file its report lists; a file: that one).
+    recorded in their report.json (a folder: every file its report lists; a file: that one), and,
+    given the stage's `config`, each upstream stage's own config fields against what it ran with.
 
     A file that differs stops the stage with one line naming it and the stage to run again; that
-    stage's stamps are removed so that `make <stage>` really redoes it.
+    stage's stamps are removed so that `make <stage>` really redoes it. A config field that differs
+    stops it too: the stage would otherwise read graphs made for one value while acting on another.
     """
     for path in paths:
         path = Path(path)
@@ -122,6 +127,8 @@ def check_inputs(workdir: Path, paths: list[Path]) -> None:
             raise IntegrityError(
                 f"{folder} holds no finished {stage} stage (no {REPORT_NAME}); run `make {stage}` first"
             )
+        if config is not None:
+            _check_options(workdir, config, folder, stage, report)
         recorded = {f["path"]: f for f in report.get("outputs", [])}
         wanted = sorted(recorded) if path == folder else [str(path.relative_to(folder))]
         for rel in wanted:
@@ -139,6 +146,24 @@ def check_inputs(workdir: Path, paths: list[Path]) -> None:
             if problem:
                 _invalidate(workdir, stage, folder)
                 raise IntegrityError(f"{file} {problem}; run `make {stage}` again")
+
+
+def _check_options(
+    workdir: Path, config: PipelineConfig, folder: Path, stage: str, report: dict[str, Any]
+) -> None:
+    from stages.config import stage_fields
+
+    ran = report.get("options", {})
+    # The download's fields name the folder itself (checkpoints/<model>); a revision may be resolved.
+    fields = [] if stage == "download" else stage_fields(stage)
+    differ = [f for f in fields if f in ran and ran[f] != getattr(config, f)]
+    if differ:
+        _invalidate(workdir, stage, folder)
+        said = ", ".join(f"{f}={getattr(config, f)!r} (it ran with {ran[f]!r})" for f in differ)
+        raise IntegrityError(
+            f"{folder} was made for another config: {said}; run `make {stage}` again with this config, "
+            "or set those fields back"
+        )
 
 
 def free_bytes(folder: Path) -> int:

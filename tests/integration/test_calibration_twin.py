@@ -34,11 +34,29 @@ def exported(tmp_path_factory) -> Path:
     return work
 
 
+@pytest.fixture(scope="module")
+def exported_plain(exported, tmp_path_factory) -> Path:
+    """The same layout without twins (a quantize refuses a config its export was not made for)."""
+    work = tmp_path_factory.mktemp("plain")
+    shutil.copytree(exported / "checkpoints", work / "checkpoints", symlinks=True)
+    run_export(load_config("tiny", {**AR1, "calibration_ar": "0"}), work, work / "checkpoints" / "tiny")
+    return work
+
+
 def _quantize(exported: Path, tmp: Path, **overrides) -> tuple[Path, dict]:
     work = tmp / "work"
     shutil.copytree(exported, work, symlinks=True)
     report = run_quantize(load_config("tiny", {**AR1, **overrides}), work, work / "checkpoints" / "tiny")
     return work, report
+
+
+def test_the_twins_leave_the_shipped_graphs_as_they_were(exported, exported_plain):
+    for part in (1, 2):
+        name = f"prefill_ar1_part{part}_of_2.onnx"
+        assert (exported / "exported" / name).read_bytes() == (
+            exported_plain / "exported" / name
+        ).read_bytes()
+    assert not list((exported_plain / "exported").glob("calibration_*"))
 
 
 def _activation_ranges(path: Path) -> dict[str, tuple[float, float]]:
@@ -106,10 +124,10 @@ def test_twin_tensors_map_node_for_node_and_a_foreign_graph_is_refused(exported)
         twin_tensor_names(d / "calibration_ar8_part1_of_2.onnx", d / "prefill_ar1_part2_of_2.onnx")
 
 
-def test_twin_calibration_matches_call_by_call_calibration(exported, tmp_path):
+def test_twin_calibration_matches_call_by_call_calibration(exported, exported_plain, tmp_path):
     on_twin, twin_report = _quantize(exported, tmp_path / "twin")
-    # The same export, calibrated on the AR-1 graphs themselves (the runner leaves the twins out).
-    direct, direct_report = _quantize(exported, tmp_path / "direct", calibration_ar="0")
+    # The same AR-1 graphs, calibrated on themselves.
+    direct, direct_report = _quantize(exported_plain, tmp_path / "direct", calibration_ar="0")
     cal = twin_report["figures"]["calibration"]
     assert cal["on_twin"] and cal["tokens_per_call"] == 8
     assert not direct_report["figures"]["calibration"]["on_twin"]

@@ -16,6 +16,7 @@ from stages.compile import CompileError, check_rules, compile_local, prepare_io,
 from stages.config import load_config
 from stages.graphs import Binary, binary_layout
 from stages.quantize import run_quantize
+from stages.report import IntegrityError
 from stages.soc import get_soc
 from tests.conftest import copy_workdir
 
@@ -111,7 +112,8 @@ def test_v73_soc_gets_one_weight_shared_binary_per_part(quantized_tiny, tmp_path
 
 def test_a_soc_mismatch_between_quantize_and_compile_is_refused(sm8450):
     work, _ = sm8450
-    with pytest.raises(CompileError, match="quantized for SM8450, not SM8550"):
+    # The generic check every stage makes of its upstream's config fields (stages.report.check_inputs).
+    with pytest.raises(IntegrityError, match=r"another config: soc='SM8550' \(it ran with 'SM8450'\)"):
         run_compile(load_config("tiny", {"soc": "SM8550"}), work)
     assert (work / "compiled" / "report.json").is_file()  # the earlier output is untouched
 

@@ -302,7 +302,7 @@ def test_folded_weights_keep_the_evaluation_figures(sm8450):
 
     from stages.calibration import load_texts
     from stages.chat import ChatTokenizer
-    from stages.quantize import chain_logits
+    from stages.quality import chain_logits
 
     work, _ = sm8450
     cfg = load_config("tiny")

@@ -58,6 +58,26 @@ def test_a_flipped_byte_names_the_file_and_the_stage_and_removes_its_stamps(tmp_
     assert sorted(p.name for p in (tmp_path / ".g4v69").iterdir()) == ["quantize-ccc.json"]
 
 
+def test_an_upstream_made_for_another_config_is_refused_by_name(tmp_path):
+    cfg = load_config("tiny")
+    out = tmp_path / rp.STAGE_DIRS["export"]
+    ran = {"model": "tiny", **{f: getattr(cfg, f) for f in ("prefill_ar", "precision", "calibration_ar")}}
+    with stage_output("export", out, [], ran, root=tmp_path) as run:
+        (run.dir / "a.onnx").write_bytes(b"x")
+    check_inputs(tmp_path, [out], cfg)  # the config it was made for
+    # A later stage's own fields are not the export's business.
+    check_inputs(tmp_path, [out], cfg.with_overrides(calibration_samples=3))
+    with pytest.raises(IntegrityError) as e:
+        check_inputs(tmp_path, [out], cfg.with_overrides(prefill_ar=4, calibration_ar=16))
+    line = str(e.value)
+    assert (
+        "\n" not in line
+        and "prefill_ar=4 (it ran with 8)" in line
+        and "calibration_ar=16 (it ran with 0)" in line
+    )
+    assert "run `make export` again" in line
+
+
 def test_a_single_file_is_checked_against_its_folders_report(tmp_path):
     out = _make_stage(tmp_path, "compile", {"b.bin": b"z" * 50, "other.bin": b"o"})
     _flip(out / "other.bin")
