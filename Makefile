@@ -21,7 +21,7 @@ COMPILER      ?=
 QAIRT_VERSION ?=
 PROMPT        ?= What is the capital of France?
 # verify: htp runs the bundle's binaries on the HTP emulation, cpu their compiler inputs (faster);
-# empty thresholds = stages/verify.py's defaults.
+# empty thresholds = stages/runtimes/genie/verify.py's defaults.
 VERIFY_ENGINE ?= htp
 VERIFY_MIN_PREFIX ?=
 VERIFY_MIN_TOP1 ?=

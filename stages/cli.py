@@ -36,6 +36,7 @@ from stages.report import (
     write_json_atomic,
     write_stamp,
 )
+from stages.runtimes import get_runtime
 
 
 class UserError(click.ClickException):
@@ -357,8 +358,7 @@ def compile_(obj: Context, jobs: int | None) -> None:
 @click.pass_obj
 def bundle(obj: Context, check_manifest_path: Path | None) -> None:
     """The Genie bundle (binaries, LUTs, tokenizer, rendered configs, manifest) into genie_bundle/."""
-    from stages.bundle import BundleError, check_manifest, run_bundle
-    from stages.chat import ChatError
+    from stages.runtimes.genie.bundle import check_manifest
 
     if check_manifest_path is not None:
         folder = check_manifest_path.parent
@@ -367,9 +367,10 @@ def bundle(obj: Context, check_manifest_path: Path | None) -> None:
             raise UserError(f"{folder} does not match {check_manifest_path}: " + "; ".join(problems[:10]))
         click.echo(f"{folder} matches {check_manifest_path}")
         return
+    runtime = get_runtime()
     try:
-        report = run_bundle(obj.config, obj.workdir, obj.checkpoint_dir())
-    except (BundleError, ChatError) as e:
+        report = runtime.package(obj.config, obj.workdir, obj.checkpoint_dir())
+    except runtime.errors as e:
         raise UserError(str(e)) from None
     obj.stage_done("bundle")
     fig = report["figures"]
@@ -431,23 +432,20 @@ def verify(
 ) -> None:
     """Check genie_bundle/ on the host: hashes, binaries vs config, the binaries under a Genie emulator
     vs transformers; into verify/."""
-    from stages.bundle import BundleError
-    from stages.chat import ChatError
-    from stages.checkpoint import CheckpointError
-    from stages.runner import RunnerError
-    from stages.verify import Thresholds, VerifyError, run_verify
+    from stages.runtimes.genie.verify import Thresholds
 
+    runtime = get_runtime()
     try:
-        report = run_verify(
+        report = runtime.check(
             obj.config,
             obj.workdir,
             obj.checkpoint_dir(),
             prompt,
-            max_new_tokens,
-            engine,
-            Thresholds.with_overrides(min_prefix, min_top1),
+            max_new_tokens=max_new_tokens,
+            engine=engine,
+            thresholds=Thresholds.with_overrides(min_prefix, min_top1),
         )
-    except (VerifyError, BundleError, CheckpointError, ChatError, RunnerError) as e:
+    except runtime.errors as e:
         raise UserError(str(e)) from None
     fig = report["figures"]
     heldout = fig["heldout"]
@@ -498,13 +496,12 @@ def push(obj: Context) -> None:
     """Push genie_bundle/ and the QAIRT runtime (QNN_SDK_ROOT) to /data/local/tmp/<bundle> on the phone."""
     import os
 
-    from stages.device import DeviceError, push_bundle
-
     bundle_dir, serial, adb = _device_args(obj)
     sdk = os.environ.get("QNN_SDK_ROOT")
+    runtime = get_runtime()
     try:
-        fig = push_bundle(bundle_dir, Path(sdk) if sdk else None, serial, adb)
-    except DeviceError as e:
+        fig = runtime.push(bundle_dir, Path(sdk) if sdk else None, serial, adb)
+    except runtime.errors as e:
         raise UserError(str(e)) from None
     click.echo(
         f"{fig['device']} ({fig['model']}): {fig['remote_dir']}: {fig['files_pushed']} files pushed, "
@@ -523,21 +520,11 @@ def push(obj: Context) -> None:
 @click.pass_obj
 def run_(obj: Context, prompt: str) -> None:
     """Run PROMPT on the phone with genie-t2t-run; streams the answer and reports tokens/s."""
-    import json
-
-    from stages.chat import render_chat
-    from stages.device import DeviceError, run_on_device
-
     bundle_dir, serial, adb = _device_args(obj)
-    text = render_chat(bundle_dir, prompt)
-    genie = json.loads((bundle_dir / "genie_config.json").read_text())["dialog"]
-    bos = json.loads((bundle_dir / "tokenizer_config.json").read_text()).get("bos_token")
-    # Genie prepends the config's bos-token itself; the template's own would make it twice.
-    if "bos-token" in genie["context"] and isinstance(bos, str) and text.startswith(bos):
-        text = text[len(bos) :]
+    runtime = get_runtime()
     try:
-        fig = run_on_device(bundle_dir, text, serial, adb)
-    except DeviceError as e:
+        fig = runtime.run(bundle_dir, prompt, serial, adb)
+    except runtime.errors as e:
         raise UserError(str(e)) from None
     click.echo()
 

@@ -4,7 +4,8 @@ it reads (and checks against their reports' hashes), the image it runs in and wh
 The CLI, the reports, the bench, doctor and the Makefile read it (the Makefile through
 `python -m stages.pipeline`, as it reads the config; a unit test checks its recipes against the
 images here). Which config fields invalidate a stage is said once per field, in `stages/config.py`
-(`stage_fields`). A new stage is a row here, a module with its `run_<stage>` and a CLI command.
+(`stage_fields`). A new stage is a row here, a module with its `run_<stage>` and a CLI command; the
+bundle and verify stages are the runtime's (`stages.runtimes`).
 
 Stdlib only: the Makefile reads it before any image exists.
 """

@@ -12,14 +12,20 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from stages.bundle import BundleError, consistency_errors, genie_validator_errors, lut_feeds, run_bundle
 from stages.chat import join_adjacent_string_literals, render_chat
 from stages.cli import main
 from stages.compile import run_compile
 from stages.config import load_config
 from stages.quantize import run_quantize
 from stages.report import IntegrityError
-from stages.verify import run_verify
+from stages.runtimes.genie.bundle import (
+    BundleError,
+    consistency_errors,
+    genie_validator_errors,
+    lut_feeds,
+    run_bundle,
+)
+from stages.runtimes.genie.verify import run_verify
 from tests.conftest import REPO, copy_workdir
 
 pytestmark = pytest.mark.slow
@@ -129,18 +135,26 @@ def test_inconsistent_configs_are_refused(sm8450, tmp_path):
     compiled = json.loads((work / "compiled" / "report.json").read_text())
     io = {g["name"]: g["io"] for b in compiled["figures"]["binaries"] for g in b["graphs"]}
     files = {p.name: p for p in bundle.iterdir()}
-    assert consistency_errors(genie, files, io) == []
+    assert consistency_errors(genie, files, io, _geometry(work)) == []
     bad = json.loads(json.dumps(genie))
     bad["dialog"]["engine"]["model"]["binary"]["ctx-bins"].append("part9_of_2.bin")
     bad["dialog"]["engine"]["cache-groups"][0]["prefix"] = "global_"
+    bad["dialog"]["context"]["n-vocab"] += 1  # a rule verify also applies (config_vs_graphs)
     big = tmp_path / "huge.bin"
     with open(big, "wb") as f:  # sparse: 4 GiB of nothing
         f.truncate(2**32)
     bad["dialog"]["perlayer-embedding"]["lut-path"] = "huge.bin"
-    errors = consistency_errors(bad, {**files, "huge.bin": big}, io)
+    errors = consistency_errors(bad, {**files, "huge.bin": big}, io, _geometry(work))
     assert any("part9_of_2.bin is not in the bundle" in e for e in errors)
-    assert any("prefix 'global_' matches no graph input" in e for e in errors)
+    assert any("prefix 'global_' matches no key cache input" in e for e in errors)
     assert any("huge.bin is 4.00 GiB" in e for e in errors)
+    assert any("context.n-vocab is" in e for e in errors)
+
+
+def _geometry(work: Path):
+    from stages.checkpoint import Checkpoint
+
+    return Checkpoint(work / "checkpoints" / "tiny").geometry
 
 
 def _graph_io(work: Path) -> dict:
@@ -179,18 +193,19 @@ def test_lut_inputs_genie_cannot_feed_are_refused_and_requantized_ones_allowed(s
         return changed
 
     # A float per_layer_inputs (what the float16 PLE policy used to make) from the ufixed8 LUT.
-    errors = consistency_errors(genie, files, with_input("per_layer_inputs", dtype="float32"))
+    float_ple = with_input("per_layer_inputs", dtype="float32")
+    errors = consistency_errors(genie, files, float_ple, _geometry(work))
     assert len(errors) == 2 and all(
         "Genie cannot feed graph input per_layer_inputs (float32)" in e for e in errors
     )
     assert "from the perlayer-embedding LUT (ufixed8 (scale " in errors[0]
     # inputs_embeds with another unsigned encoding: Genie requantizes each row (allowed, reported).
     other = with_input("inputs_embeds", dtype="uint16", scale=0.001, offset=-30000)
-    assert consistency_errors(genie, files, other) == []
+    assert consistency_errors(genie, files, other, _geometry(work)) == []
     assert {f["mode"] for f in lut_feeds(genie, other) if f["tensor"] == "inputs_embeds"} == {"requantize"}
     # ... but not into a signed one.
     signed = with_input("inputs_embeds", dtype="int16", scale=0.001, offset=0)
-    errors = consistency_errors(genie, files, signed)
+    errors = consistency_errors(genie, files, signed, _geometry(work))
     assert len(errors) == 2 and all(
         "graph input inputs_embeds (sfixed16 (scale 0.001, offset 0))" in e for e in errors
     )

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from stages.bundle import run_bundle
 from stages.compile import run_compile
 from stages.config import load_config
-from stages.genie_emulator import EmulatorError, GenieEmulator
-from stages.verify import VerifyError, run_verify
+from stages.runtimes.genie.bundle import run_bundle
+from stages.runtimes.genie.emulator import EmulatorError, GenieEmulator
+from stages.runtimes.genie.verify import VerifyError, run_verify
 from tests.conftest import copy_workdir
 
 pytestmark = pytest.mark.slow

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from stages.bundle import run_bundle
 from stages.compile import run_compile
 from stages.config import load_config
 from stages.download import run_download
 from stages.export import run_export
 from stages.precision import PRECISIONS
 from stages.quantize import run_quantize
-from stages.verify import run_verify
+from stages.runtimes.genie.bundle import run_bundle
+from stages.runtimes.genie.verify import run_verify
 
 pytestmark = pytest.mark.slow
 

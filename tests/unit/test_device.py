@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.device import (
+from stages.runtimes.genie.device import (
     DeviceError,
     _df_available_bytes,
     genie_command,

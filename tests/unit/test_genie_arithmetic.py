@@ -8,7 +8,7 @@ import pytest
 
 from stages.encoding import Encoding
 from stages.encoding import feed as requantize
-from stages.genie_emulator import CacheGroup, EmulatorError, pick_ar, rope_table
+from stages.runtimes.genie.emulator import CacheGroup, EmulatorError, pick_ar, rope_table
 
 
 def test_requantization_truncates_like_genies_c_cast():

@@ -258,7 +258,7 @@ def test_a_finished_stage_is_stamped_dated_like_its_report(g4v69, tmp_path):
 
 
 def test_verify_floor_against_transformers_follows_measured_quantization():
-    from stages.verify import float_reference_floor
+    from stages.runtimes.genie.verify import float_reference_floor
 
     report = {"figures": {"quality": {"float16": {"top1_agreement": 0.831}}}}
     assert float_reference_floor(0.9, report, "float16") == 0.781

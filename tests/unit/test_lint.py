@@ -48,13 +48,19 @@ def test_tensor_names_are_spelled_only_in_the_contract():
         re.compile(rf"^{contract.KVSHARE_PREFIX}(?:key|value)?_?\d*$"),
     ]
     found = []
-    for path in sorted((REPO / "stages").glob("*.py")):
+    for path in sorted((REPO / "stages").rglob("*.py")):
         if path.name == "contract.py":
             continue
         for line, value in _string_constants(path):
             if value in names or any(p.match(value) for p in patterns):
-                found.append(f"{path.name}:{line}: {value!r}")
+                found.append(f"{path.relative_to(REPO)}:{line}: {value!r}")
     assert not found, "tensor names outside stages/contract.py:\n" + "\n".join(found)
+
+
+def _module(path: Path) -> str:
+    """stages/runtimes/genie/bundle.py -> runtimes.genie.bundle; a package's __init__ -> the package."""
+    parts = path.relative_to(REPO / "stages").with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _stage_imports(path: Path, modules: set[str]) -> set[str]:
@@ -66,10 +72,10 @@ def _stage_imports(path: Path, modules: set[str]) -> set[str]:
         if isinstance(node, ast.ImportFrom) and node.module == "stages":
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("stages."):
-            found.add(node.module.split(".")[1])
+            found.add(node.module.removeprefix("stages."))
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("stages.")}
-    return (found & modules) - {path.stem}
+            found |= {a.name.removeprefix("stages.") for a in node.names if a.name.startswith("stages.")}
+    return (found & modules) - {_module(path)}
 
 
 def test_the_import_graph_of_stages_has_no_cycles():
@@ -77,9 +83,10 @@ def test_the_import_graph_of_stages_has_no_cycles():
     were; issue 16); graphlib names the modules of a new one."""
     from graphlib import CycleError, TopologicalSorter
 
-    paths = sorted((REPO / "stages").glob("*.py"))
-    modules = {p.stem for p in paths}
-    graph = {p.stem: _stage_imports(p, modules) for p in paths}
+    paths = [p for p in sorted((REPO / "stages").rglob("*.py")) if _module(p)]  # not stages/__init__
+    modules = {_module(p) for p in paths}
+    assert "runtimes.genie.bundle" in modules  # subpackages are walked too
+    graph = {_module(p): _stage_imports(p, modules) for p in paths}
     try:
         order = list(TopologicalSorter(graph).static_order())
     except CycleError as e:

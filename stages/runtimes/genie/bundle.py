@@ -15,6 +15,7 @@ so two bundles built from the same inputs have identical manifests.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -35,11 +36,11 @@ from stages.contract import (
     rope_name,
 )
 from stages.encoding import COPY, Encoding, feed_mode, shared_tensor_mismatches
-from stages.geometry import FULL, SLIDING
+from stages.geometry import FULL, SLIDING, Geometry
 from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, check_inputs, copy_file, read_report, sha256_file, stage_output
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES = Path(__file__).resolve().parents[3] / "templates"
 GENIE_CONFIG = "genie_config.json"
 HTP_EXT_CONFIG = "htp_backend_ext_config.json"
 MANIFEST = "manifest.json"
@@ -255,24 +256,82 @@ def lut_feeds(genie: dict[str, Any], io: dict[str, dict[str, dict[str, Any]]]) -
     return feeds
 
 
-def consistency_errors(
-    genie: dict[str, Any], files: dict[str, Path], io: dict[str, dict[str, dict[str, Any]]]
+def config_vs_graphs(
+    dialog: dict[str, Any], inputs: dict[str, list[int]], outputs: dict[str, list[int]], geo: Geometry
 ) -> list[str]:
-    """What the schema cannot see: the files and tensors the config names must exist and agree, Genie
-    must be able to feed every LUT-fed input from its LUT, and every tensor several graphs share must
-    have one encoding (what Genie checks when it loads the binaries)."""
+    """Where genie_config.json's dialog disagrees with the graphs' input and output shapes or the model:
+    context size, vocabulary, LUT widths, cache groups (prefix, kv-dim, mask, window), RoPE. One set of
+    rules for two sources: the bundle stage passes the compile report's I/O before it writes anything,
+    verify the shapes it reads from the quantized graphs the binaries were compiled from."""
+    problems: list[str] = []
+
+    def expect(what: str, got: Any, want: Any) -> None:
+        if got != want:
+            problems.append(f"genie_config.json {what} is {got}, the graphs and the model say {want}")
+
+    if MASK_NAME[FULL] in inputs:
+        expect("context.size", dialog["context"]["size"], inputs[MASK_NAME[FULL]][-1])
+    if LOGITS in outputs:
+        expect("context.n-vocab", dialog["context"]["n-vocab"], outputs[LOGITS][-1])
+    for tensor, key in LUT_INPUTS.items():
+        section = GENIE_LUT_SECTION[key]
+        if section in dialog and tensor not in inputs:
+            problems.append(f"{section}: no graph input {tensor}")
+        elif section in dialog:
+            expect(f"{section}.size", dialog[section]["size"], math.prod(inputs[tensor][2:]))
+        elif tensor in inputs:
+            problems.append(f"genie_config.json has no {section} section to feed the graph input {tensor}")
+    for group in dialog["engine"]["cache-groups"]:
+        attention = FULL if group["prefix"] == f"{CACHE_PREFIX[FULL]}_" else SLIDING
+        keys = [s for t, s in inputs.items() if re.match(rf"{group['prefix']}key_\d+_h\d+_in$", t)]
+        if not keys:
+            problems.append(f"cache group prefix {group['prefix']!r} matches no key cache input")
+            continue
+        expect(f"cache group {group['prefix']!r} kv-dim", group["kv-dim"], keys[0][-2])
+        expect(
+            f"cache group {group['prefix']!r} mask", group["attention-mask-tensor-name"], MASK_NAME[attention]
+        )
+        if group["attention-mask-tensor-name"] not in inputs:
+            problems.append(f"attention mask {group['attention-mask-tensor-name']!r} is no graph input")
+        if attention == SLIDING:
+            window = group["longcontext"]["sliding-window"]["window-size"]
+            expect("sliding window-size", window, geo.sliding_window)
+    ropes = dialog["engine"]["model"].get("positional-encoding", [])
+    ropes = {r.get("prefix", ""): r for r in (ropes if isinstance(ropes, list) else [ropes])}
+    for attention in (FULL, SLIDING):
+        prefix = ROPE_PREFIX[attention]
+        params = geo.config["rope_parameters"][attention]
+        rope = ropes.get(prefix)
+        if rope is None:
+            problems.append(f"genie_config.json has no positional-encoding for {prefix or 'the global'} RoPE")
+            continue
+        where = f"positional-encoding {prefix or '(global)'}"
+        expect(f"{where} rope-theta", rope["rope-theta"], params["rope_theta"])
+        cos = inputs.get(rope_name(attention, "cos"))
+        expect(f"{where} rope-dim", rope["rope-dim"], cos[-1] if cos else None)
+        factor = (rope.get("rope-scaling") or {}).get("partial-rotary-factor")
+        want = params.get("partial_rotary_factor", 1.0) if params.get("rope_type") == "proportional" else None
+        expect(f"{where} partial-rotary-factor", factor, want)
+    return problems
+
+
+def consistency_errors(
+    genie: dict[str, Any], files: dict[str, Path], io: dict[str, dict[str, dict[str, Any]]], geo: Geometry
+) -> list[str]:
+    """What the schema cannot see: the files the config names must exist, its shapes agree with the
+    graphs' (`config_vs_graphs`), Genie must be able to feed every LUT-fed input from its LUT, and every
+    tensor several graphs share must have one encoding (what Genie checks when it loads the binaries)."""
     d = genie["dialog"]
     errors = []
     for name in d["engine"]["model"]["binary"]["ctx-bins"]:
         if name not in files:
             errors.append(f"ctx-bin {name} is not in the bundle")
-    inputs = {t: e for g in io.values() for t, e in g["inputs"].items()}
-    for group in d["engine"]["cache-groups"]:
-        if not any(t.startswith(group["prefix"]) for t in inputs):
-            errors.append(f"cache group prefix {group['prefix']!r} matches no graph input")
-        if group["attention-mask-tensor-name"] not in inputs:
-            errors.append(f"attention mask {group['attention-mask-tensor-name']!r} is no graph input")
-    for tensor, lut_key in LUT_INPUTS.items():
+    shapes = {
+        direction: {t: e["shape"] for g in io.values() for t, e in g[direction].items()}
+        for direction in ("inputs", "outputs")
+    }
+    errors += config_vs_graphs(d, shapes["inputs"], shapes["outputs"], geo)
+    for lut_key in LUT_INPUTS.values():
         key = GENIE_LUT_SECTION[lut_key]
         lut = d.get(key)
         if lut is None:
@@ -287,15 +346,6 @@ def consistency_errors(
                 f"{key} LUT {lut['lut-path']} is {size / 2**30:.2f} GiB; Genie reads sizes as uint32 "
                 "(< 4 GiB): use ple_lut_bits=8"
             )
-        enc = inputs.get(tensor)
-        if enc is None:
-            errors.append(f"{key}: no graph input {tensor}")
-            continue
-        width = 1
-        for n in enc["shape"][2:]:
-            width *= n
-        if width != lut["size"]:
-            errors.append(f"{key} size {lut['size']} != {tensor} width {width}")
     for feed in lut_feeds(genie, io):
         if feed["mode"] is None:
             errors.append(
@@ -371,7 +421,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
             f"run `make compile SOC={cfg.soc}`"
         )
     luts = [export_dir / v["path"] for v in export_report["figures"]["luts"].values()]
-    check_inputs(workdir, [compiled_dir, checkpoint_dir, *luts])
+    check_inputs(workdir, [compiled_dir, checkpoint_dir, *luts], cfg)
     context = render_context(cfg, checkpoint_dir, export_report, compiled)
     genie = render("genie_config.json.j2", context)
     htp_ext = render("htp_backend_ext_config.json.j2", context)
@@ -388,7 +438,9 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     problems += [
         f"htp_backend_ext_config.json{e}" for e in schema_errors(htp_ext, _schema("htp_backend_ext_config"))
     ]
-    problems += consistency_errors(genie, files, io)
+    from stages.checkpoint import Checkpoint
+
+    problems += consistency_errors(genie, files, io, Checkpoint(checkpoint_dir).geometry)
     if not problems:
         genie_says = genie_validator_errors(genie)
         problems += genie_says or []

@@ -112,7 +112,8 @@ GENIE_BEHAVIOURS = [
     {
         "behaviour": "ASSUMED: per_layer_inputs fed like inputs_embeds; both RoPE tables from "
         "positional-encoding, quantized into the inputs' encodings",
-        "source": "not in the public source (Gemma 4 support is newer); see stages/genie_emulator.py",
+        "source": "not in the public source (Gemma 4 support is newer); "
+        "see stages/runtimes/genie/emulator.py",
     },
 ]
 # Each LUT-fed graph input and the genie_config.json section that feeds it.
@@ -164,8 +165,8 @@ class Graph:
 
 def read_graphs(bundle_dir: Path, compiled_report: dict[str, Any]) -> list[Graph]:
     """The ctx-bins' graphs in genie_config.json order, with their tensor tables."""
-    from stages.bundle import GENIE_CONFIG
     from stages.report import sha256_file
+    from stages.runtimes.genie.bundle import GENIE_CONFIG
 
     cfg = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
     records = {b["file"]: b for b in compiled_report["figures"]["binaries"]}
@@ -432,7 +433,7 @@ class GenieEmulator:
         engine: str = "htp",
         quantized_dir: Path | None = None,
     ):
-        from stages.bundle import GENIE_CONFIG
+        from stages.runtimes.genie.bundle import GENIE_CONFIG
 
         if engine not in ENGINES:
             raise EmulatorError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")

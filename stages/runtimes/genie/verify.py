@@ -4,7 +4,7 @@ It reads the bundle itself: the manifest's hashes, genie_config.json, the LUT fi
 binary the quantized graph it was compiled from. Checks: every file matches the manifest; every
 binary carries its graph's I/O tensor names; the graph I/O agrees with the config (embedding
 widths, vocabulary, context size, cache groups and their kv-dims, the sliding window, LUT sizes).
-Then the bundle runs under the Genie emulator (stages/genie_emulator.py: the ctx-bins on the HTP
+Then the bundle runs under the Genie emulator (stages/runtimes/genie/emulator.py: the ctx-bins on the HTP
 emulation by default, or their compiler inputs on the CPU EP) and transformers runs the same
 checkpoint: greedy tokens, the length of the common prefix, top-1 agreement along transformers'
 greedy path and on held-out text, the emulated logits against the host runner's (the quantized
@@ -15,29 +15,21 @@ thresholds (Thresholds; a correct bundle clears them with margin) verify fails a
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from stages.bundle import GENIE_CONFIG, MANIFEST, check_manifest
 from stages.config import PipelineConfig, stage_fields
 from stages.contract import (
-    CACHE_PREFIX,
     GENIE_LUT_BYTES,
     GENIE_LUT_SECTION,
-    LOGITS,
-    LUT_INPUTS,
-    MASK_NAME,
-    ROPE_PREFIX,
-    rope_name,
 )
-from stages.geometry import FULL, SLIDING
 from stages.graphs import qdq_file_name
 from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
+from stages.runtimes.genie.bundle import GENIE_CONFIG, MANIFEST, check_manifest, config_vs_graphs
 
 
 class VerifyError(ValueError):
@@ -89,46 +81,7 @@ def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: dict[str, Any]
     if not inputs:
         return problems + ["no binary could be checked"]
 
-    def expect(what: str, got: Any, want: Any) -> None:
-        if got != want:
-            problems.append(f"genie_config.json {what} is {got}, the graphs and the model say {want}")
-
-    expect("context.size", genie["context"]["size"], inputs[MASK_NAME[FULL]][-1])
-    expect("context.n-vocab", genie["context"]["n-vocab"], outputs[LOGITS][-1])
-    for tensor, key in LUT_INPUTS.items():
-        section = GENIE_LUT_SECTION[key]
-        if section in genie:
-            expect(f"{section}.size", genie[section]["size"], int(np.prod(inputs[tensor][2:])))
-        elif tensor in inputs:
-            problems.append(f"genie_config.json has no {section} section to feed the graph input {tensor}")
-    for group in genie["engine"]["cache-groups"]:
-        attention = FULL if group["prefix"] == f"{CACHE_PREFIX[FULL]}_" else SLIDING
-        keys = [s for t, s in inputs.items() if re.match(rf"{group['prefix']}key_\d+_h\d+_in$", t)]
-        if not keys:
-            problems.append(f"cache group {group['prefix']!r} matches no key cache input")
-            continue
-        expect(f"cache group {group['prefix']!r} kv-dim", group["kv-dim"], keys[0][-2])
-        expect(
-            f"cache group {group['prefix']!r} mask", group["attention-mask-tensor-name"], MASK_NAME[attention]
-        )
-        if attention == SLIDING:
-            window = group["longcontext"]["sliding-window"]["window-size"]
-            expect("sliding window-size", window, geo.sliding_window)
-    ropes = genie["engine"]["model"].get("positional-encoding", [])
-    ropes = {r.get("prefix", ""): r for r in (ropes if isinstance(ropes, list) else [ropes])}
-    for attention in (FULL, SLIDING):
-        prefix = ROPE_PREFIX[attention]
-        params = geo.config["rope_parameters"][attention]
-        rope = ropes.get(prefix)
-        if rope is None:
-            problems.append(f"genie_config.json has no positional-encoding for {prefix or 'the global'} RoPE")
-            continue
-        where = f"positional-encoding {prefix or '(global)'}"
-        expect(f"{where} rope-theta", rope["rope-theta"], params["rope_theta"])
-        expect(f"{where} rope-dim", rope["rope-dim"], inputs[rope_name(attention, "cos")][-1])
-        factor = (rope.get("rope-scaling") or {}).get("partial-rotary-factor")
-        want = params.get("partial_rotary_factor", 1.0) if params.get("rope_type") == "proportional" else None
-        expect(f"{where} partial-rotary-factor", factor, want)
+    problems += config_vs_graphs(genie, inputs, outputs, geo)
     for key in GENIE_LUT_SECTION.values():
         lut = genie.get(key)
         if lut is None:
@@ -239,15 +192,15 @@ def run_verify(
     VerifyError."""
     from stages.chat import ChatTokenizer
     from stages.checkpoint import Checkpoint, stop_token_ids
-    from stages.genie_emulator import GENIE_BEHAVIOURS, EmulatorError, GenieEmulator
     from stages.reference import greedy_tokens, logits_of, transformers_model
+    from stages.runtimes.genie.emulator import GENIE_BEHAVIOURS, EmulatorError, GenieEmulator
 
     bundle_dir, compiled_dir = output_dir(workdir, "bundle"), output_dir(workdir, "compile")
     quantized_dir, export_dir = output_dir(workdir, "quantize"), output_dir(workdir, "export")
     compiled = read_report(compiled_dir)
     if read_report(bundle_dir) is None or compiled is None:
         raise VerifyError(f"{bundle_dir} holds no finished bundle; run `make bundle` first")
-    check_inputs(workdir, [bundle_dir, quantized_dir, checkpoint_dir])
+    check_inputs(workdir, [bundle_dir, quantized_dir, checkpoint_dir], cfg)
     geo = Checkpoint(checkpoint_dir).geometry
     # A failed verify must not leave an earlier run's passing report behind.
     (output_dir(workdir, "verify") / REPORT_NAME).unlink(missing_ok=True)

@@ -1,0 +1,52 @@
+"""Runtimes: what runs the compiled context binaries on the phone, and everything that must agree
+with it. A runtime packages the compile stage's binaries into its bundle (the bundle stage), checks
+that bundle on the host the way it will run it (the verify stage), and puts it on a phone and runs
+it (`make push`, `make run`).
+
+Genie (`stages/runtimes/genie/`) is the one there is. A second runtime is a package beside it whose
+`RUNTIME` implements `Runtime`, and a row in `RUNTIMES`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from stages.config import PipelineConfig
+
+# name -> the package under stages/runtimes/ whose RUNTIME implements it (imported on first use).
+RUNTIMES: dict[str, str] = {"genie": "stages.runtimes.genie"}
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    name: str
+    # Errors whose message is meant for the user (one line: what failed, what to do); the CLI prints
+    # them without a traceback.
+    errors: tuple[type[Exception], ...]
+
+    def package(self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
+        """The bundle stage: the compiled binaries and what the runtime needs beside them; its report."""
+        ...
+
+    def check(
+        self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path, prompt: str, **options: Any
+    ) -> dict[str, Any]:
+        """The verify stage: the bundle driven on the host as the runtime drives it; its report."""
+        ...
+
+    def push(self, bundle_dir: Path, sdk_root: Path | None, serial: str | None, adb: str) -> dict[str, Any]:
+        """The bundle (and the runtime's libraries from sdk_root) onto the phone; figures of the push."""
+        ...
+
+    def run(self, bundle_dir: Path, prompt: str, serial: str | None, adb: str) -> dict[str, Any]:
+        """One user turn on the phone, streamed; the runtime's own figures (tokens/s) and the text."""
+        ...
+
+
+def get_runtime(name: str = "genie") -> Runtime:
+    if name not in RUNTIMES:
+        raise ValueError(f"runtime {name!r} is not known; allowed values: {', '.join(sorted(RUNTIMES))}")
+    return importlib.import_module(RUNTIMES[name]).RUNTIME

@@ -1,0 +1,67 @@
+"""Genie (QAIRT's LLM runtime, `genie-t2t-run` / libGenie.so) as a `stages.runtimes.Runtime`.
+
+- `bundle.py`: the bundle stage: binaries, LUTs, tokenizer, genie_config.json and
+  htp_backend_ext_config.json rendered from templates/ and checked against the compiled graphs.
+- `verify.py`: the verify stage: hashes, the bundle's configs against its graphs, the bundle under
+  the emulator against transformers and against its own quantized graphs.
+- `emulator.py`: the host emulator of how Genie drives the graphs (LUT feeds, KV cache, sampling).
+- `device.py`: adb push of the bundle and the QAIRT runtime, and genie-t2t-run on the phone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from stages.config import PipelineConfig
+
+
+class GenieRuntime:
+    name = "genie"
+
+    @property
+    def errors(self) -> tuple[type[Exception], ...]:
+        from stages.chat import ChatError
+        from stages.checkpoint import CheckpointError
+        from stages.runner import RunnerError
+        from stages.runtimes.genie.bundle import BundleError
+        from stages.runtimes.genie.device import DeviceError
+        from stages.runtimes.genie.verify import VerifyError
+
+        return (BundleError, VerifyError, DeviceError, ChatError, CheckpointError, RunnerError)
+
+    def package(self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
+        from stages.runtimes.genie.bundle import run_bundle
+
+        return run_bundle(cfg, workdir, checkpoint_dir)
+
+    def check(
+        self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path, prompt: str, **options: Any
+    ) -> dict[str, Any]:
+        """options: max_new_tokens, engine ("htp": the binaries on QNN's HTP emulation; "cpu": their
+        compiler inputs), thresholds (verify.Thresholds)."""
+        from stages.runtimes.genie.verify import run_verify
+
+        return run_verify(cfg, workdir, checkpoint_dir, prompt, **options)
+
+    def push(self, bundle_dir: Path, sdk_root: Path | None, serial: str | None, adb: str) -> dict[str, Any]:
+        from stages.runtimes.genie.device import push_bundle
+
+        return push_bundle(bundle_dir, sdk_root, serial, adb)
+
+    def run(self, bundle_dir: Path, prompt: str, serial: str | None, adb: str) -> dict[str, Any]:
+        from stages.chat import render_chat
+        from stages.runtimes.genie.bundle import GENIE_CONFIG
+        from stages.runtimes.genie.device import run_on_device
+
+        text = render_chat(bundle_dir, prompt)
+        dialog = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
+        bos = json.loads((bundle_dir / "tokenizer_config.json").read_text()).get("bos_token")
+        # Genie prepends the config's bos-token itself; the template's own would make it twice.
+        if "bos-token" in dialog["context"] and isinstance(bos, str) and text.startswith(bos):
+            text = text[len(bos) :]
+        return run_on_device(bundle_dir, text, serial, adb)
+
+
+RUNTIME = GenieRuntime()

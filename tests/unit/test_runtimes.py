@@ -1,0 +1,37 @@
+"""The runtime seam: every registered runtime implements the interface the CLI drives it through."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+
+from stages.runtimes import RUNTIMES, Runtime, get_runtime
+
+
+@pytest.mark.parametrize("name", sorted(RUNTIMES))
+def test_each_runtime_implements_the_interface(name):
+    runtime = get_runtime(name)
+    assert isinstance(runtime, Runtime) and runtime.name == name
+    assert runtime.errors and all(issubclass(e, Exception) for e in runtime.errors)
+    # Its package lives under stages/runtimes/<name>/, where a newcomer looks for it.
+    assert importlib.import_module(RUNTIMES[name]).__name__ == f"stages.runtimes.{name}"
+    for method in ("package", "check", "push", "run"):
+        want = list(inspect.signature(getattr(Runtime, method)).parameters)[1:]
+        assert list(inspect.signature(getattr(runtime, method)).parameters) == want, method
+
+
+def test_an_unknown_runtime_is_refused_with_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"runtime 'tflite' is not known; allowed values: genie"):
+        get_runtime("tflite")
+
+
+def test_genie_errors_reach_the_user_as_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from stages.cli import main
+
+    # No compile output: Genie's packaging says which stage to run, without a traceback.
+    r = CliRunner().invoke(main, ["--preset", "tiny", "--workdir", str(tmp_path), "bundle"])
+    assert r.exit_code != 0 and "Traceback" not in r.output and "make compile" in r.output
