@@ -36,7 +36,7 @@ from stages.report import (
     write_json_atomic,
     write_stamp,
 )
-from stages.runtimes import get_runtime
+from stages.runtimes import RuntimeFailure, get_runtime
 
 
 class UserError(click.ClickException):
@@ -370,7 +370,7 @@ def bundle(obj: Context, check_manifest_path: Path | None) -> None:
     runtime = get_runtime()
     try:
         report = runtime.package(obj.config, obj.workdir, obj.checkpoint_dir())
-    except runtime.errors as e:
+    except RuntimeFailure as e:
         raise UserError(str(e)) from None
     obj.stage_done("bundle")
     fig = report["figures"]
@@ -445,7 +445,7 @@ def verify(
             engine=engine,
             thresholds=Thresholds.with_overrides(min_prefix, min_top1),
         )
-    except runtime.errors as e:
+    except RuntimeFailure as e:
         raise UserError(str(e)) from None
     fig = report["figures"]
     heldout = fig["heldout"]
@@ -501,7 +501,7 @@ def push(obj: Context) -> None:
     runtime = get_runtime()
     try:
         fig = runtime.push(bundle_dir, Path(sdk) if sdk else None, serial, adb)
-    except runtime.errors as e:
+    except RuntimeFailure as e:
         raise UserError(str(e)) from None
     click.echo(
         f"{fig['device']} ({fig['model']}): {fig['remote_dir']}: {fig['files_pushed']} files pushed, "
@@ -524,7 +524,7 @@ def run_(obj: Context, prompt: str) -> None:
     runtime = get_runtime()
     try:
         fig = runtime.run(bundle_dir, prompt, serial, adb)
-    except runtime.errors as e:
+    except RuntimeFailure as e:
         raise UserError(str(e)) from None
     click.echo()
 

@@ -20,12 +20,14 @@ if TYPE_CHECKING:
 RUNTIMES: dict[str, str] = {"genie": "stages.runtimes.genie"}
 
 
+class RuntimeFailure(ValueError):
+    """Bad input or a state the user can fix; the message says what failed and what to do. Every
+    Runtime method raises this (or a subclass) for those, and the CLI prints it as one line."""
+
+
 @runtime_checkable
 class Runtime(Protocol):
     name: str
-    # Errors whose message is meant for the user (one line: what failed, what to do); the CLI prints
-    # them without a traceback.
-    errors: tuple[type[Exception], ...]
 
     def package(self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
         """The bundle stage: the compiled binaries and what the runtime needs beside them; its report."""

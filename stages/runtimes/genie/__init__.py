@@ -20,30 +20,29 @@ from stages.config import PipelineConfig
 class GenieRuntime:
     name = "genie"
 
-    @property
-    def errors(self) -> tuple[type[Exception], ...]:
-        from stages.chat import ChatError
-        from stages.checkpoint import CheckpointError
-        from stages.runner import RunnerError
-        from stages.runtimes.genie.bundle import BundleError
-        from stages.runtimes.genie.device import DeviceError
-        from stages.runtimes.genie.verify import VerifyError
-
-        return (BundleError, VerifyError, DeviceError, ChatError, CheckpointError, RunnerError)
-
     def package(self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
-        from stages.runtimes.genie.bundle import run_bundle
+        from stages.chat import ChatError
+        from stages.runtimes.genie.bundle import BundleError, run_bundle
 
-        return run_bundle(cfg, workdir, checkpoint_dir)
+        try:
+            return run_bundle(cfg, workdir, checkpoint_dir)
+        except ChatError as e:  # the checkpoint's chat template
+            raise BundleError(str(e)) from None
 
     def check(
         self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path, prompt: str, **options: Any
     ) -> dict[str, Any]:
         """options: max_new_tokens, engine ("htp": the binaries on QNN's HTP emulation; "cpu": their
         compiler inputs), thresholds (verify.Thresholds)."""
-        from stages.runtimes.genie.verify import run_verify
+        from stages.chat import ChatError
+        from stages.checkpoint import CheckpointError
+        from stages.runner import RunnerError
+        from stages.runtimes.genie.verify import VerifyError, run_verify
 
-        return run_verify(cfg, workdir, checkpoint_dir, prompt, **options)
+        try:
+            return run_verify(cfg, workdir, checkpoint_dir, prompt, **options)
+        except (ChatError, CheckpointError, RunnerError) as e:
+            raise VerifyError(str(e)) from None
 
     def push(self, bundle_dir: Path, sdk_root: Path | None, serial: str | None, adb: str) -> dict[str, Any]:
         from stages.runtimes.genie.device import push_bundle
@@ -51,11 +50,14 @@ class GenieRuntime:
         return push_bundle(bundle_dir, sdk_root, serial, adb)
 
     def run(self, bundle_dir: Path, prompt: str, serial: str | None, adb: str) -> dict[str, Any]:
-        from stages.chat import render_chat
-        from stages.runtimes.genie.bundle import GENIE_CONFIG
-        from stages.runtimes.genie.device import run_on_device
+        # Light imports only: push and run work in the tools image (no numpy, no onnx).
+        from stages.chat import ChatError, render_chat
+        from stages.runtimes.genie.device import GENIE_CONFIG, DeviceError, run_on_device
 
-        text = render_chat(bundle_dir, prompt)
+        try:
+            text = render_chat(bundle_dir, prompt)
+        except ChatError as e:
+            raise DeviceError(f"{bundle_dir}: {e}") from None
         dialog = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
         bos = json.loads((bundle_dir / "tokenizer_config.json").read_text()).get("bos_token")
         # Genie prepends the config's bos-token itself; the template's own would make it twice.

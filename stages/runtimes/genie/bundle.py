@@ -39,6 +39,7 @@ from stages.encoding import COPY, Encoding, feed_mode, shared_tensor_mismatches
 from stages.geometry import FULL, SLIDING, Geometry
 from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, check_inputs, copy_file, read_report, sha256_file, stage_output
+from stages.runtimes import RuntimeFailure
 
 TEMPLATES = Path(__file__).resolve().parents[3] / "templates"
 GENIE_CONFIG = "genie_config.json"
@@ -54,7 +55,7 @@ ENGINE_THREADS = 3
 ENGINE_CPU_MASK = "0xe0"
 
 
-class BundleError(ValueError):
+class BundleError(RuntimeFailure):
     """The bundle cannot be built; the message names the value or file and what to do."""
 
 

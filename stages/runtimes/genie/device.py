@@ -27,6 +27,7 @@ from typing import IO
 
 from stages.doctor import QAIRT_RUNTIME_LIBS
 from stages.report import sha256_file
+from stages.runtimes import RuntimeFailure
 from stages.soc import SOCS
 
 REMOTE_ROOT = "/data/local/tmp"
@@ -45,7 +46,7 @@ PUSH_PROGRESS_DELAY_S = 2.0
 OUTPUT_TAIL_LINES = 25
 
 
-class DeviceError(ValueError):
+class DeviceError(RuntimeFailure):
     """A push or run that cannot go on; the message says what failed and what to do about it."""
 
 

@@ -29,10 +29,11 @@ from stages.contract import (
 from stages.graphs import qdq_file_name
 from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
+from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.bundle import GENIE_CONFIG, MANIFEST, check_manifest, config_vs_graphs
 
 
-class VerifyError(ValueError):
+class VerifyError(RuntimeFailure):
     """The bundle is broken; the message lists what and what to do."""
 
 
