@@ -151,12 +151,13 @@ def check_inputs(workdir: Path, paths: list[Path], config: PipelineConfig | None
 def _check_options(
     workdir: Path, config: PipelineConfig, folder: Path, stage: str, report: dict[str, Any]
 ) -> None:
-    from stages.config import stage_fields
+    from stages.config import FIELD_NAMES
 
     ran = report.get("options", {})
-    # The download's fields name the folder itself (checkpoints/<model>); a revision may be resolved.
-    fields = [] if stage == "download" else stage_fields(stage)
-    differ = [f for f in fields if f in ran and ran[f] != getattr(config, f)]
+    # Every config field the upstream recorded: its own and those it depends on (compile records soc).
+    # The download's name the folder itself (checkpoints/<model>), and a revision may be resolved.
+    fields = [] if stage == "download" else [f for f in FIELD_NAMES if f in ran]
+    differ = [f for f in fields if ran[f] != getattr(config, f)]
     if differ:
         _invalidate(workdir, stage, folder)
         said = ", ".join(f"{f}={getattr(config, f)!r} (it ran with {ran[f]!r})" for f in differ)

@@ -76,6 +76,13 @@ def test_an_upstream_made_for_another_config_is_refused_by_name(tmp_path):
         and "calibration_ar=16 (it ran with 0)" in line
     )
     assert "run `make export` again" in line
+    # A field a stage records because it depends on it (compile records the soc it compiled for) counts too.
+    compiled = tmp_path / rp.STAGE_DIRS["compile"]
+    with stage_output("compile", compiled, [], {"model": "tiny", "soc": "SM8450"}, root=tmp_path) as run:
+        (run.dir / "b.bin").write_bytes(b"x")
+    check_inputs(tmp_path, [compiled], cfg)
+    with pytest.raises(IntegrityError, match=r"soc='SM8550' \(it ran with 'SM8450'\); run `make compile`"):
+        check_inputs(tmp_path, [compiled], cfg.with_overrides(soc="SM8550"))
 
 
 def test_a_single_file_is_checked_against_its_folders_report(tmp_path):

@@ -52,14 +52,16 @@ class GenieRuntime:
     def run(self, bundle_dir: Path, prompt: str, serial: str | None, adb: str) -> dict[str, Any]:
         # Light imports only: push and run work in the tools image (no numpy, no onnx).
         from stages.chat import ChatError, render_chat
-        from stages.runtimes.genie.device import GENIE_CONFIG, DeviceError, run_on_device
+        from stages.runtimes.genie.device import DeviceError, read_manifest, run_on_device
+        from stages.runtimes.genie.files import GENIE_CONFIG, TOKENIZER_CONFIG
 
+        read_manifest(bundle_dir)  # no bundle: say which stage to run before reading its files
         try:
             text = render_chat(bundle_dir, prompt)
         except ChatError as e:
             raise DeviceError(f"{bundle_dir}: {e}") from None
         dialog = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-        bos = json.loads((bundle_dir / "tokenizer_config.json").read_text()).get("bos_token")
+        bos = json.loads((bundle_dir / TOKENIZER_CONFIG).read_text()).get("bos_token")
         # Genie prepends the config's bos-token itself; the template's own would make it twice.
         if "bos-token" in dialog["context"] and isinstance(bos, str) and text.startswith(bos):
             text = text[len(bos) :]

@@ -40,13 +40,9 @@ from stages.geometry import FULL, SLIDING, Geometry
 from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, check_inputs, copy_file, read_report, sha256_file, stage_output
 from stages.runtimes import RuntimeFailure
+from stages.runtimes.genie.files import GENIE_CONFIG, HTP_EXT_CONFIG, MANIFEST, TOKENIZER, TOKENIZER_CONFIG
 
 TEMPLATES = Path(__file__).resolve().parents[3] / "templates"
-GENIE_CONFIG = "genie_config.json"
-HTP_EXT_CONFIG = "htp_backend_ext_config.json"
-MANIFEST = "manifest.json"
-TOKENIZER = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
 # Gemma 4's published sampling defaults (its generation_config.json), used when a checkpoint
 # carries none: the tiny model's has only token ids.
 GEMMA_SAMPLER = {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
@@ -416,11 +412,6 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     export_report = read_report(export_dir)
     if export_report is None:
         raise BundleError(f"{export_dir} holds no finished export; run `make export` first")
-    if compiled["options"].get("soc") != cfg.soc:
-        raise BundleError(
-            f"{compiled_dir} holds binaries for {compiled['options'].get('soc')}, not {cfg.soc}; "
-            f"run `make compile SOC={cfg.soc}`"
-        )
     luts = [export_dir / v["path"] for v in export_report["figures"]["luts"].values()]
     check_inputs(workdir, [compiled_dir, checkpoint_dir, *luts], cfg)
     context = render_context(cfg, checkpoint_dir, export_report, compiled)

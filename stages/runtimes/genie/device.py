@@ -28,11 +28,11 @@ from typing import IO
 from stages.doctor import QAIRT_RUNTIME_LIBS
 from stages.report import sha256_file
 from stages.runtimes import RuntimeFailure
+from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST
 from stages.soc import SOCS
 
 REMOTE_ROOT = "/data/local/tmp"
 GENIE_RUN = "genie-t2t-run"
-GENIE_CONFIG = "genie_config.json"
 # Loaded by Genie when the config names a backend extensions file; pushed when the SDK has it.
 OPTIONAL_RUNTIME_LIBS = ("libQnnHtpNetRunExtensions.so",)
 QUALCOMM_MANUFACTURERS = {"qualcomm", "qti"}
@@ -87,9 +87,9 @@ class Transfer:
 
 
 def read_manifest(bundle_dir: Path) -> Manifest:
-    path = Path(bundle_dir) / "manifest.json"
+    path = Path(bundle_dir) / MANIFEST
     if not path.is_file():
-        raise DeviceError(f"{path} does not exist; build the bundle first (`g4v69 bundle`)")
+        raise DeviceError(f"{path} does not exist; run `make bundle` first")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -166,7 +166,7 @@ class Graph:
 def read_graphs(bundle_dir: Path, compiled_report: dict[str, Any]) -> list[Graph]:
     """The ctx-bins' graphs in genie_config.json order, with their tensor tables."""
     from stages.report import sha256_file
-    from stages.runtimes.genie.bundle import GENIE_CONFIG
+    from stages.runtimes.genie.files import GENIE_CONFIG
 
     cfg = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
     records = {b["file"]: b for b in compiled_report["figures"]["binaries"]}
@@ -433,7 +433,7 @@ class GenieEmulator:
         engine: str = "htp",
         quantized_dir: Path | None = None,
     ):
-        from stages.runtimes.genie.bundle import GENIE_CONFIG
+        from stages.runtimes.genie.files import GENIE_CONFIG
 
         if engine not in ENGINES:
             raise EmulatorError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")

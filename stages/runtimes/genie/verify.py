@@ -30,7 +30,8 @@ from stages.graphs import qdq_file_name
 from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
 from stages.runtimes import RuntimeFailure
-from stages.runtimes.genie.bundle import GENIE_CONFIG, MANIFEST, check_manifest, config_vs_graphs
+from stages.runtimes.genie.bundle import check_manifest, config_vs_graphs
+from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST
 
 
 class VerifyError(RuntimeFailure):
