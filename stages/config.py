@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.pipeline import STAGE_NAMES
-from stages.precision import PRECISIONS, Precision
+from stages.precision import INT4_CHANNEL, PRECISIONS, Precision, WeightScheme
 from stages.soc import SOCS, Soc, get_soc
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -27,6 +27,8 @@ COMPILERS = ("local", "aihub")
 PLE_POLICIES = ("float16", "int16", "int8")
 PLE_LUT_BITS = (8, 16)
 KV_BITS = ("auto", "8", "16")
+WEIGHT_ROUNDINGS = ("gptq", "nearest")
+LM_HEAD_BITS = (8, 4)
 CALIBRATION_DATASETS = ("wikitext-2-raw-v1", "files")
 
 
@@ -82,6 +84,23 @@ class PipelineConfig:
     ple_policy: str = field(metadata=_meta("export", "precision of the in-graph per-layer-embedding paths"))
     ple_lut_bits: int = field(metadata=_meta("export", "bits per entry of the per-layer embedding LUT"))
     kv_bits: str = field(metadata=_meta("quantize", "KV cache bits: auto (8 without 16x16 matmul), 8 or 16"))
+    # Mixed precision's knob (quality against bytes read per token and pinned RAM); `make plan`
+    # prices it against the SoC's limits and each phone class's budget.
+    int8_percent: str = field(
+        metadata=_meta(
+            "export",
+            "mixed precisions: percent of decoder weight parameters kept at int8, the weights whose 4 "
+            "bits cost the most output error per byte (0..100, or auto: the precision's own share)",
+        )
+    )
+    lm_head_bits: int = field(metadata=_meta("export", "lm_head weight bits: 8 (int8 per channel) or 4"))
+    weight_rounding: str = field(
+        metadata=_meta(
+            "quantize",
+            "how 4-bit weights are rounded: gptq (from the calibration activations) or nearest "
+            "(clipping search alone)",
+        )
+    )
 
     # ---- derived facts: computed, never stored in a preset ----
     @property
@@ -100,6 +119,27 @@ class PipelineConfig:
     def checkpoint_name(self) -> str:
         """Folder name under checkpoints/: the repo name, lower-cased."""
         return self.model.rsplit("/", 1)[-1].lower()
+
+    @property
+    def decoder_scheme(self) -> WeightScheme:
+        """How decoder MatMul weights are stored: the precision's, with the mixed share set here."""
+        scheme = self.precision_info.decoder_weights
+        if self.precision_info.mixed:
+            return dataclasses.replace(
+                scheme, name=f"{scheme.name}+int8", int8_share=self.mixed_percent / 100
+            )
+        return scheme
+
+    @property
+    def mixed_percent(self) -> int:
+        """The int8 share a mixed precision gets here, in percent (0 for the others)."""
+        if self.int8_percent == "auto":
+            return self.precision_info.int8_percent
+        return int(self.int8_percent)
+
+    @property
+    def lm_head_scheme(self) -> WeightScheme:
+        return INT4_CHANNEL if self.lm_head_bits == 4 else self.precision_info.lm_head
 
     @property
     def kv_cache_bits(self) -> int:
@@ -267,6 +307,23 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
     _one_of("ple_policy", cfg.ple_policy, PLE_POLICIES)
     _one_of("ple_lut_bits", cfg.ple_lut_bits, PLE_LUT_BITS)
     _one_of("kv_bits", cfg.kv_bits, KV_BITS)
+    _one_of("weight_rounding", cfg.weight_rounding, WEIGHT_ROUNDINGS)
+    _one_of("lm_head_bits", cfg.lm_head_bits, LM_HEAD_BITS)
+    if cfg.lm_head_bits == 4 and not cfg.soc_info.lpbq_4bit_weights:
+        raise ConfigError(
+            "lm_head_bits", f"4-bit weights need v69 or later; {cfg.soc} has none; allowed values: 8"
+        )
+    if cfg.int8_percent != "auto" and not (cfg.int8_percent.isdigit() and 0 <= int(cfg.int8_percent) <= 100):
+        raise ConfigError(
+            "int8_percent", f"{cfg.int8_percent!r} is not allowed; allowed values: auto, 0..100"
+        )
+    if cfg.mixed_percent and not cfg.precision_info.mixed:
+        mixed = ", ".join(p.name for p in PRECISIONS.values() if p.mixed)
+        raise ConfigError(
+            "int8_percent",
+            f"{cfg.int8_percent} needs a mixed precision ({mixed}); {cfg.precision} has one scheme for "
+            "every decoder weight; allowed values here: 0",
+        )
     if cfg.kv_bits == "16" and not soc.matmul_16x16:
         raise ConfigError(
             "kv_bits",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 from stages.config import PipelineConfig
 
@@ -131,3 +132,15 @@ def partition_layers(
     _, cuts = best(0, num_parts)
     bounds = [0, *cuts, n]
     return [range(bounds[p], bounds[p + 1]) for p in range(num_parts)]
+
+
+def copy_graph(src: Path, folder: Path) -> Path:
+    """The graph at src (and its external-data file) copied into folder, where onnxruntime may write
+    its shape-inferred copy beside it (never in exported/). Copies, not links: onnx refuses external
+    data behind a symbolic link or a file with several hard links (what broke the E2B quantize)."""
+    import shutil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in src.parent.glob(f"{src.name}*"):
+        shutil.copyfile(f, folder / f.name)
+    return folder / src.name

@@ -136,9 +136,9 @@ def weight_scheme(t: Tensor, cfg: PipelineConfig) -> WeightScheme:
     """How a weight is stored in a context binary."""
     p = cfg.precision_info
     if t.kind == LINEAR:
-        return p.decoder_weights
+        return cfg.decoder_scheme
     if t.kind == EMBEDDING:  # the tied lm_head
-        return p.lm_head
+        return cfg.lm_head_scheme
     if t.kind == PLE:
         return PLE_POLICY_SCHEMES[cfg.ple_policy]
     if t.kind == NORM:
@@ -361,7 +361,7 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
         soc=soc.name,
         dsp_arch=soc.dsp_arch,
         precision=cfg.precision,
-        weight_scheme=cfg.precision_info.decoder_weights.name,
+        weight_scheme=cfg.decoder_scheme.name,
         kv_cache_bits=cfg.kv_cache_bits,
         params=param_counts,
         parts=parts,

@@ -390,6 +390,16 @@ class HostRunner:
         to_mask = lambda v: np.where(v, 0.0, ATTENTION_MASK_MIN).astype(np.float32)[None, None]  # noqa: E731
         return {MASK_NAME[FULL]: to_mask(full), MASK_NAME[SLIDING]: to_mask(swa)}
 
+    def prefill_samples(self, samples: list[list[int]], progress: Any = None) -> None:
+        """Each sample from an empty cache through the prefill graphs in AR chunks (what calibration
+        and its statistics see); `progress` (a tqdm bar) advances once per call."""
+        for sample in samples:
+            self.reset()
+            for i in range(0, len(sample), self.prefill_ar):
+                self.step(sample[i : i + self.prefill_ar], role="prefill")
+                if progress is not None:
+                    progress.update()
+
     def step(self, ids: list[int], role: str | None = None, parts: int | None = None) -> np.ndarray | None:
         """Run one graph call over `ids` (at most the graph's AR) at the current position; returns
         their logits (n,V) and advances the position and the caches. `role` picks the graph;

@@ -328,7 +328,8 @@ def test_calibration_reads_external_data_graphs_from_its_copies(exported, tmp_pa
     import onnx
     import pytest as _pytest
 
-    from stages.quantize import copy_graph, new_calibrator, qnn_config
+    from stages.graphs import copy_graph
+    from stages.quantize import new_calibrator, qnn_config
 
     src_model = onnx.load(str(next((exported / "exported").glob("prefill_*part1*.onnx"))))
     big = tmp_path / "exported" / "graph.onnx"

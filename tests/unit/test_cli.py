@@ -117,9 +117,9 @@ def test_plan_prices_the_layouts_and_their_limits(g4v69):
     r = g4v69("plan")
     assert r.exit_code == 0
     assert "per-context allocation limit" in r.output and "OVER" not in r.output
-    assert "most accurate layout that fits a phone with 8 GB: w4a16, one graph kind AR-1" in r.output
+    assert "most accurate layout that fits a phone with 8 GB: w4a16-mixed, one graph kind AR-1" in r.output
     data = json.loads(g4v69("plan", "--json").output)
-    assert {lay["precision"] for lay in data["layouts"]} == {"w8a16", "w4a16"}
+    assert {lay["precision"] for lay in data["layouts"]} == {"w8a16", "w4a16", "w4a16-mixed"}
     assert all(c["source"] for c in data["limits"])
 
 

@@ -15,7 +15,7 @@ def test_default_preset_is_the_real_job():
     cfg = load_config()
     assert cfg.model == "google/gemma-4-E2B-it"
     # The layout the plan says fits an 8 GB phone (test_geometry_and_plan checks it is the plan's pick).
-    assert cfg.soc == "SM8450" and cfg.precision == "w4a16"
+    assert cfg.soc == "SM8450" and cfg.precision == "w4a16-mixed"
     assert (cfg.max_context, cfg.prefill_ar, cfg.decode_ar, cfg.num_shards) == (2048, 1, 1, 4)
     assert cfg.compiler == "local" and cfg.ple_policy == "float16"
     # The original plan's 20 x 2048, through the AR-128 calibration twin.
@@ -52,7 +52,7 @@ def test_none_overrides_keep_the_preset_value():
         ({"decode_ar": 4096}, "decode_ar", "1..2047"),
         ({"num_shards": 0}, "num_shards", ">= 1"),
         ({"precision": "w16a16"}, "precision", "w8a16, w4a16"),
-        ({"precision": "w3a7"}, "precision", "w8a16, w4a16, w4a16-lpbq, w16a16"),
+        ({"precision": "w3a7"}, "precision", "w8a16, w4a16, w4a16-mixed, w4a16-lpbq, w16a16"),
         ({"compiler": "cloud"}, "compiler", "local, aihub"),
         ({"kv_bits": "16"}, "kv_bits", "auto, 8"),
         ({"ple_policy": "int4"}, "ple_policy", "float16, int16, int8"),

@@ -34,8 +34,12 @@ def original(**overrides):
 def test_the_default_preset_is_the_layout_the_plan_recommends_for_an_8gb_phone(geo):
     cfg = load_config()
     best = recommended_layout(make_layouts(geo, cfg), 8)
-    assert best.is_config and best.name == "w4a16, one graph kind AR-1"
-    assert make_plan(geo, cfg).fits(8)
+    assert best.is_config and best.name == "w4a16-mixed, one graph kind AR-1"
+    plan = make_plan(geo, cfg)
+    assert plan.fits(8)
+    # The mixed share is the largest quarter step that fits: one more quarter is over the budget.
+    assert cfg.mixed_percent == 75
+    assert not make_plan(geo, load_config(overrides={"int8_percent": "100"})).fits(8)
 
 
 def approx(value, expected, rel=0.005):
@@ -212,14 +216,14 @@ def test_layouts_price_both_precisions_and_both_graph_kinds(geo):
     layouts = make_layouts(geo, original())
     names = [lay.name for lay in layouts]
     assert "w8a16, prefill AR-128 + decode AR-1" in names and "w4a16, one graph kind AR-1" in names
-    assert {lay.precision for lay in layouts} == {"w8a16", "w4a16"}
+    assert {lay.precision for lay in layouts} == {"w8a16", "w4a16", "w4a16-mixed"}
     assert sum(lay.is_config for lay in layouts) == 1
     separate = next(lay for lay in layouts if lay.name == "w8a16, prefill AR-128 + decode AR-1")
     one = next(lay for lay in layouts if lay.name == "w8a16, one graph kind AR-1")
     assert separate.binaries_bytes == 2 * one.binaries_bytes  # v69 stores the weights twice
     best = recommended_layout(layouts, 8)
-    # 4-bit weights in one graph kind at AR-1.
-    assert best is not None and best.fits[8] and best.name == "w4a16, one graph kind AR-1"
+    # 4-bit weights with the most sensitive three quarters at int8, in one graph kind at AR-1.
+    assert best is not None and best.fits[8] and best.name == "w4a16-mixed, one graph kind AR-1"
     # Nothing more accurate fits: every w8a16 layout is over the 8 GB phone.
     assert all(not lay.fits[8] for lay in layouts if lay.precision == "w8a16")
     assert recommended_layout(layouts, 12).precision == "w8a16"

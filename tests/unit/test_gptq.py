@@ -1,0 +1,119 @@
+"""GPTQ rounding and the mixed precision's choice: output error against round-to-nearest, determinism,
+the degenerate cases, and which weights a share keeps at int8."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from stages.config import ConfigError, load_config
+from stages.gptq import FULL_HESSIAN_MAX_WIDTH, Hessian, gptq, output_error
+from stages.precision import INT8_CHANNEL
+from stages.quantize import RoundedWeight, WeightRounder, expected_scheme, int4_channel
+
+
+def _layer(rows: int = 96, cols: int = 24, tokens: int = 2048, seed: int = 0):
+    """A weight and inputs with correlated features (what GPTQ exploits; iid inputs give it nothing)."""
+    rng = np.random.default_rng(seed)
+    mix = rng.normal(size=(rows, rows)) / np.sqrt(rows) + np.eye(rows)
+    x = (rng.normal(size=(tokens, rows)) @ mix * rng.uniform(0.2, 3.0, rows)).astype(np.float32)
+    w = (rng.normal(size=(rows, cols)) * 0.05).astype(np.float32)
+    h = Hessian(np.zeros((rows, rows), np.float32))
+    h.add(x[: tokens // 2])
+    h.add(x[tokens // 2 :])
+    return w, x, h
+
+
+def _relative_output_error(w, q, scale, x) -> float:
+    return float(np.sum((x @ (q * scale) - x @ w) ** 2) / np.sum((x @ w) ** 2))
+
+
+def test_gptq_lowers_the_output_error_of_int4_per_channel_well_below_rounding_to_nearest():
+    w, x, h = _layer()
+    q_rtn, scale = int4_channel(w)
+    q_gptq, scale_gptq = int4_channel(w, hessian=h)
+    assert np.array_equal(scale, scale_gptq)  # GPTQ keeps the clipping search's scales
+    assert q_gptq.dtype == np.int8 and q_gptq.min() >= -8 and q_gptq.max() <= 7
+    rtn, ours = _relative_output_error(w, q_rtn, scale, x), _relative_output_error(w, q_gptq, scale, x)
+    assert ours < 0.75 * rtn
+    # output_error is that same measure, from the Hessian alone.
+    assert output_error(w, q_gptq * scale, h) == pytest.approx(ours, rel=1e-3)
+    assert h.rows == x.shape[0]
+
+
+def test_gptq_is_deterministic_and_follows_block_scales():
+    w, _, h = _layer(rows=128, cols=8)
+    block_scale = (np.abs(w.reshape(2, 64, 8)).max(axis=1) / 7).astype(np.float32)  # 2 blocks of 64
+    a, b = gptq(w, h, block_scale), gptq(w.copy(), h, block_scale.copy())
+    assert np.array_equal(a, b)
+    deq = a * np.repeat(block_scale, 64, axis=0)
+    assert output_error(w, deq, h) < output_error(
+        w, np.clip(np.rint(w / np.repeat(block_scale, 64, 0)), -8, 7) * np.repeat(block_scale, 64, 0), h
+    )
+
+
+def test_a_diagonal_hessian_rounds_to_nearest_and_dead_inputs_are_zero():
+    w, x, h = _layer(rows=32, cols=4)
+    diag = Hessian(np.zeros(32, np.float32))
+    diag.add(x)
+    assert diag.diagonal_only and np.allclose(diag.diag, h.diag, rtol=1e-4)
+    scale = (np.abs(w).max(axis=0) / 7).astype(np.float32)[None]
+    assert np.array_equal(gptq(w, diag, scale), np.clip(np.rint(w / scale), -8, 7))
+    x[:, 5] = 0.0  # an input that never fires: its row cannot matter, GPTQ zeroes it
+    dead = Hessian(np.zeros((32, 32), np.float32))
+    dead.add(x)
+    assert np.all(gptq(w, dead, scale)[5] == 0)
+    assert FULL_HESSIAN_MAX_WIDTH >= 6144  # E2B's non-shared MLP width keeps its full Hessian
+
+
+def _rounder(share_percent: str) -> WeightRounder:
+    cfg = load_config("tiny", {"precision": "w4a16-mixed", "int8_percent": share_percent})
+    rounder = WeightRounder(cfg, None)
+    # nsr_int4 - nsr_int8 per parameter: v 4e-5, o 2e-5, q 1e-5, down 1e-6.
+    for name, params, nsr4 in (
+        ("layers.0.self_attn.v_proj.weight", 100, 0.004),
+        ("layers.0.self_attn.o_proj.weight", 100, 0.002),
+        ("layers.0.self_attn.q_proj.weight", 200, 0.002),
+        ("layers.0.mlp.down_proj.weight", 600, 0.0006),
+        ("lm_head.weight", 1000, 0.5),  # not a decoder weight: never counted or chosen
+    ):
+        rounder.rounded[name] = RoundedWeight(np.zeros(1), np.ones(1), params, nsr4, 0.0)
+    return rounder
+
+
+def test_the_mixed_share_keeps_the_most_error_per_byte_at_int8_within_its_parameter_budget():
+    rounder = _rounder("40")
+    chosen = rounder.choose_int8(rounder.cfg.decoder_scheme.int8_share)
+    # 40 % of 1000 decoder parameters: v (100) and o (100) and q (200) fit; down (600) does not.
+    assert chosen == {
+        "layers.0.self_attn.v_proj.weight",
+        "layers.0.self_attn.o_proj.weight",
+        "layers.0.self_attn.q_proj.weight",
+    }
+    assert rounder.choose_int8(0.15) == {"layers.0.self_attn.v_proj.weight"}
+    assert rounder.choose_int8(0.0) == frozenset()
+    rounder.int8_weights = chosen
+    assert rounder.figures()["int8_share"] == 0.4
+    # The audit and the rewrite expect int8 for the chosen ones, int4 for the rest.
+    assert expected_scheme(rounder.cfg, "layers.0.self_attn.v_proj.weight", chosen) == INT8_CHANNEL
+    assert expected_scheme(rounder.cfg, "layers.0.mlp.down_proj.weight", chosen).bits == 4
+
+
+def test_the_int8_share_is_priced_and_refused_where_it_means_nothing():
+    mixed = load_config(overrides={"precision": "w4a16-mixed", "int8_percent": "50"})
+    assert mixed.decoder_scheme.int8_share == 0.5
+    numel = 1536 * 6144
+    assert mixed.decoder_scheme.stored_bytes(numel) == numel // 2 + numel // 4
+    assert load_config().mixed_percent == 75  # auto: the precision's own share
+    with pytest.raises(ConfigError, match="int8_percent.*needs a mixed precision"):
+        load_config(overrides={"precision": "w8a16", "int8_percent": "50"})
+    with pytest.raises(ConfigError, match="int8_percent.*allowed values: auto, 0..100"):
+        load_config(overrides={"int8_percent": "150"})
+    assert load_config(overrides={"precision": "w8a16"}).decoder_scheme == INT8_CHANNEL  # auto -> 0
+    four = load_config(overrides={"lm_head_bits": 4})
+    assert four.lm_head_scheme.bits == 4
+    with pytest.raises(ConfigError, match="lm_head_bits"):
+        load_config(overrides={"lm_head_bits": 4, "soc": "SM8350", "precision": "w8a16"})
+    assert dataclasses.replace(mixed, int8_percent="auto").mixed_percent == 75
