@@ -134,7 +134,7 @@ unexport PROMPT
 export G4V69_PROMPT = $(value PROMPT)
 
 .PHONY: help images wheelhouse base-image lock download export quantize compile bundle verify \
-  push run generate demo bench plan doctor image-tag test test-unit test-container lint clean venv g4v69 FORCE \
+  push run generate demo bench bench-quality plan doctor image-tag test test-unit test-container lint clean venv g4v69 FORCE \
   $(addprefix image-,$(IMAGES))
 
 help: ## list the targets and variables
@@ -208,6 +208,9 @@ bench: ## E2B-size bench: export + quantize + compile, then ci/bench-results/<da
 	$(BENCH_CALIBRATION) $(MAKE) --no-print-directory compile MODEL=$(BENCH_MODEL) WORKDIR='$(BENCH_WORKDIR)'
 	@$(call g4v69,tools) --model $(BENCH_MODEL) --workdir '$(BENCH_WORKDIR)' bench-report \
 	  --output '$(BENCH_RESULTS)' --command 'make bench BENCH_MODEL=$(BENCH_MODEL) $(BENCH_CALIBRATION)'
+
+bench-quality: | $(call RUNNER_DEP,quant) ## weight schemes side by side: tiny-model quality, E2B rounding cost
+	@$(call g4v69,quant) --workdir '$(BENCH_WORKDIR)' bench-quality --output '$(BENCH_RESULTS)'
 
 plan: | $(call RUNNER_DEP,tools) ## print the memory/size/throughput plan of the config
 	@$(call g4v69,tools) plan

@@ -170,3 +170,145 @@ def write_results(result: dict[str, Any], out_dir: Path, command: str) -> tuple[
     md = out_dir / f"{stem}.md"
     md.write_text(to_markdown(result, command))
     return path, md
+
+
+# ---- the 4-bit weight schemes side by side: tiny-model quality, E2B-geometry rounding cost ----
+# (label, config overrides): every scheme the quantize stage builds, on the tiny preset's layout.
+QUALITY_SCHEMES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("w8a16 (int8 per channel)", {"precision": "w8a16"}),
+    ("w4a16, clipping search, round to nearest", {"precision": "w4a16", "weight_rounding": "nearest"}),
+    ("w4a16, clipping search + GPTQ", {"precision": "w4a16"}),
+    ("w4a16-mixed 50 % int8 (GPTQ)", {"precision": "w4a16-mixed", "int8_percent": "50"}),
+    ("w4a16-mixed 75 % int8 (GPTQ; the default)", {"precision": "w4a16-mixed"}),
+    ("w4a16-mixed 75 % int8, 4-bit lm_head", {"precision": "w4a16-mixed", "lm_head_bits": 4}),
+)
+
+
+def tiny_quality(workdir: Path, schemes=QUALITY_SCHEMES) -> list[dict[str, Any]]:
+    """Each scheme through download, export and quantize of the trained tiny model: its held-out
+    quality (quantized vs float graphs) and what quantize recorded of its weights."""
+    import shutil
+
+    from stages.config import load_config
+    from stages.download import run_download
+    from stages.export import run_export
+    from stages.quantize import run_quantize
+
+    rows = []
+    ckpt = workdir / "checkpoints" / "tiny"
+    run_download("tiny", "main", ckpt)
+    for label, overrides in schemes:
+        cfg = load_config("tiny", overrides)
+        for stage in ("export", "quantize"):
+            shutil.rmtree(output_dir(workdir, stage), ignore_errors=True)
+        run_export(cfg, workdir, ckpt)
+        report = run_quantize(cfg, workdir, ckpt)
+        fig = report["figures"]
+        q = fig["quality"][cfg.ple_policy]
+        rows.append(
+            {
+                "scheme": label,
+                "overrides": overrides,
+                "top1_agreement": q["top1_agreement"],
+                "kl_divergence": q["kl_divergence"],
+                "perplexity_fp": q["perplexity_fp"],
+                "perplexity_quantized": q["perplexity_quantized"],
+                "tokens": q["tokens"],
+                "int8_share": fig.get("weights", {}).get("int8_share"),
+                "quantize_wall_s": report["wall_s"],
+            }
+        )
+    return rows
+
+
+def e2b_rounding_costs(schemes=QUALITY_SCHEMES, calibration_rows: int = 1024) -> list[dict[str, Any]]:
+    """Each scheme's weight rounding at E2B geometry: one layer of each kind (sliding/full attention,
+    6,144/12,288-wide MLP) rounded as quantize rounds it, timed and traced (numpy's allocations), then
+    scaled by how many layers of that kind E2B has. Random weights and inputs: rounding time does not
+    depend on the values. The Hessians' memory is counted from the geometry."""
+    import time
+    import tracemalloc
+
+    import numpy as np
+
+    from stages.config import load_config
+    from stages.geometry import LINEAR, e2b_geometry
+    from stages.gptq import FULL_HESSIAN_MAX_WIDTH, Hessian, output_error
+    from stages.quantize import int4_channel, int8_channel_error
+
+    geo = e2b_geometry()
+    kinds: dict[tuple, list[int]] = {}
+    for layer in geo.layers:
+        kinds.setdefault((layer.attention, layer.intermediate_size, layer.owns_kv), []).append(layer.index)
+    rng = np.random.default_rng(0)
+    rows = []
+    for label, overrides in schemes:
+        cfg = load_config(overrides={**overrides, "model": "e2b-random"})
+        scheme = cfg.decoder_scheme
+        if scheme.bits != 4:
+            rows.append({"scheme": label, "rounding_s": 0.0, "peak_bytes": 0, "hessian_bytes": 0})
+            continue
+        gptq = cfg.weight_rounding == "gptq"
+        total_s, peak, hessian_bytes = 0.0, 0, 0
+        for (_, _, _), layers in sorted(kinds.items()):
+            tensors = [t for t in geo.layers[layers[0]].tensors if t.kind == LINEAR]
+            hessians: dict[int, Hessian] = {}
+            for t in tensors:
+                width = t.shape[1]
+                if gptq and width not in hessians:
+                    x = rng.normal(size=(calibration_rows, width)).astype(np.float32)
+                    shape = (width,) if width > FULL_HESSIAN_MAX_WIDTH else (width, width)
+                    hessians[width] = Hessian(np.zeros(shape, np.float32))
+                    hessians[width].add(x)
+            # One Hessian per distinct MatMul input: q/k/v share one, gate/up another.
+            inputs = {(t.shape[1], t.name.rsplit(".", 2)[0].rsplit(".", 1)[-1]) for t in tensors}
+            hessian_bytes += len(layers) * sum(
+                (w * 4 if w > FULL_HESSIAN_MAX_WIDTH else w * w * 4) for w, _ in inputs if gptq
+            )
+            tracemalloc.start()
+            t0 = time.perf_counter()
+            for t in tensors:
+                w = (rng.normal(size=(t.shape[1], t.shape[0])) * 0.02).astype(np.float32)
+                tracemalloc.reset_peak()
+                h = hessians.get(t.shape[1])
+                q, s = int4_channel(w, hessian=h)
+                if scheme.int8_share:  # what the mixed choice measures of every weight
+                    ref = h or Hessian(np.ones(w.shape[0], np.float32))
+                    output_error(w, q * s, ref)
+                    output_error(w, w + int8_channel_error(w), ref)
+                peak = max(peak, tracemalloc.get_traced_memory()[1])
+            total_s += (time.perf_counter() - t0) * len(layers)
+            tracemalloc.stop()
+        rows.append(
+            {"scheme": label, "rounding_s": total_s, "peak_bytes": peak, "hessian_bytes": hessian_bytes}
+        )
+    return rows
+
+
+def quality_markdown(tiny: list[dict[str, Any]], e2b: list[dict[str, Any]], command: str) -> str:
+    cost = {r["scheme"]: r for r in e2b}
+    lines = [
+        f"# 4-bit weight schemes side by side ({datetime.date.today().isoformat()})",
+        "",
+        f"Command: `{command}`. Machine: {_machine()['cpus']} CPUs, "
+        f"{_machine()['memory_bytes'] / GIB:.0f} GiB.",
+        "",
+        "Tiny trained model (SM8450, KV 8-bit, PLE float16, 8 x 128 calibration tokens), held-out text, "
+        "quantized graphs against the float graphs. E2B geometry: the decoder weights' rounding in "
+        "quantize (one layer of each kind rounded, scaled by E2B's layer counts; random values), its "
+        "peak extra memory per weight and the Hessians it keeps.",
+        "",
+        "| scheme | top-1 | KL | perplexity FP -> quantized | int8 share | E2B rounding | E2B peak "
+        "per weight | E2B Hessians |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in tiny:
+        c = cost.get(r["scheme"], {})
+        share = "" if r["int8_share"] is None else f"{r['int8_share']:.2f}"
+        lines.append(
+            f"| {r['scheme']} | {r['top1_agreement']:.3f} | {r['kl_divergence']:.4f} | "
+            f"{r['perplexity_fp']:.3f} -> {r['perplexity_quantized']:.3f} | {share} | "
+            f"{c.get('rounding_s', 0) / 60:.1f} min | {c.get('peak_bytes', 0) / 2**20:.0f} MiB | "
+            f"{c.get('hessian_bytes', 0) / GIB:.1f} GiB |"
+        )
+    return "\n".join(lines) + "\n"

@@ -617,3 +617,34 @@ def doctor(obj: Context, as_json: bool) -> None:
         click.echo(json.dumps([c.__dict__ for c in checks], indent=2))
     else:
         click.echo(render_checks(checks))
+
+
+@main.command(name="bench-quality")
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option("--command", "command_line", default="make bench-quality", help="the command to record")
+@click.pass_obj
+def bench_quality(obj: Context, output: Path, command_line: str) -> None:
+    """Every weight scheme on the tiny model (held-out quality) and at E2B geometry (rounding time and
+    memory) into OUTPUT/<date>-weight-schemes-<machine>.{json,md}; scratch folders under WORKDIR."""
+    import datetime
+    import json
+    import tempfile
+
+    from stages.bench import GIB, _machine, e2b_rounding_costs, quality_markdown, tiny_quality
+
+    obj.workdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".bench-quality-", dir=obj.workdir) as tmp:
+        tiny = tiny_quality(Path(tmp))
+    e2b = e2b_rounding_costs()
+    m = _machine()
+    machine = f"{m['cpus']}cpu-{round(m['memory_bytes'] / GIB)}gib"
+    stem = f"{datetime.date.today().isoformat()}-weight-schemes-{machine}"
+    output.mkdir(parents=True, exist_ok=True)
+    (output / f"{stem}.json").write_text(
+        json.dumps({"machine": m, "command": command_line, "tiny": tiny, "e2b_rounding": e2b}, indent=2)
+        + "\n"
+    )
+    md = quality_markdown(tiny, e2b, command_line)
+    (output / f"{stem}.md").write_text(md)
+    click.echo(md)
+    click.echo(f"written: {output / stem}.json, .md")
