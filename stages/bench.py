@@ -178,6 +178,11 @@ QUALITY_SCHEMES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("w8a16 (int8 per channel)", {"precision": "w8a16"}),
     ("w4a16, clipping search, round to nearest", {"precision": "w4a16", "weight_rounding": "nearest"}),
     ("w4a16, clipping search + GPTQ", {"precision": "w4a16"}),
+    (
+        "w4a16-lpbq, block-scale search, round to nearest",
+        {"precision": "w4a16-lpbq", "weight_rounding": "nearest"},
+    ),
+    ("w4a16-lpbq, block-scale search + GPTQ", {"precision": "w4a16-lpbq"}),
     ("w4a16-mixed 50 % int8 (GPTQ)", {"precision": "w4a16-mixed", "int8_percent": "50"}),
     ("w4a16-mixed 75 % int8 (GPTQ; the default)", {"precision": "w4a16-mixed"}),
     ("w4a16-mixed 75 % int8, 4-bit lm_head", {"precision": "w4a16-mixed", "lm_head_bits": 4}),
@@ -233,8 +238,8 @@ def e2b_rounding_costs(schemes=QUALITY_SCHEMES, calibration_rows: int = 1024) ->
 
     from stages.config import load_config
     from stages.geometry import LINEAR, e2b_geometry
-    from stages.gptq import FULL_HESSIAN_MAX_WIDTH, Hessian, output_error
-    from stages.quantize import int4_channel, int8_channel_error
+    from stages.gptq import FULL_HESSIAN_MAX_WIDTH, Hessian
+    from stages.quantize import WeightRounder
 
     geo = e2b_geometry()
     kinds: dict[tuple, list[int]] = {}
@@ -267,15 +272,12 @@ def e2b_rounding_costs(schemes=QUALITY_SCHEMES, calibration_rows: int = 1024) ->
             )
             tracemalloc.start()
             t0 = time.perf_counter()
+            rounder = WeightRounder(cfg, {t.name: hessians[t.shape[1]] for t in tensors if gptq})
             for t in tensors:
                 w = (rng.normal(size=(t.shape[1], t.shape[0])) * 0.02).astype(np.float32)
                 tracemalloc.reset_peak()
-                h = hessians.get(t.shape[1])
-                q, s = int4_channel(w, hessian=h)
-                if scheme.int8_share:  # what the mixed choice measures of every weight
-                    ref = h or Hessian(np.ones(w.shape[0], np.float32))
-                    output_error(w, q * s, ref)
-                    output_error(w, w + int8_channel_error(w), ref)
+                rounder.round_weight(t.name, w)  # as quantize does: the scheme, GPTQ, both errors
+                rounder.rounded.clear()
                 peak = max(peak, tracemalloc.get_traced_memory()[1])
             total_s += (time.perf_counter() - t0) * len(layers)
             tracemalloc.stop()

@@ -572,11 +572,14 @@ def make_layouts(geo: Geometry, cfg: PipelineConfig) -> list[LayoutPlan]:
 
 def recommended_layout(layouts: list[LayoutPlan], phone_ram_gib: int) -> LayoutPlan | None:
     """The most accurate layout that fits a phone with this much RAM; among equals, separate prefill
-    and decode graphs (fast prompts and fast decoding), then one kind at the decode AR (fast decoding)."""
+    and decode graphs (fast prompts and fast decoding), then one kind at the decode AR (fast decoding),
+    then the smaller binaries (int4 per channel over LPBQ, which ranks level with it)."""
     fitting = [lay for lay in layouts if lay.fits.get(phone_ram_gib)]
     if not fitting:
         return None
-    return min(fitting, key=lambda lay: (lay.quality_rank, -lay.graph_kinds, lay.prefill_ar))
+    return min(
+        fitting, key=lambda lay: (lay.quality_rank, -lay.graph_kinds, lay.prefill_ar, lay.binaries_bytes)
+    )
 
 
 def _gib(n: int) -> str:

@@ -1,5 +1,6 @@
-"""w4a16 end to end on the trained tiny model: 4-bit decoder weights in the QDQ graphs (audited), the
-precisions ranked by measured quality as the precision table says, and v69 binaries from them."""
+"""w4a16 and w4a16-lpbq end to end on the trained tiny model: 4-bit decoder weights in the QDQ graphs
+(audited), the precisions ranked by measured quality as the precision table says, v69 binaries from
+them that agree with their graphs in QNN's HTP emulation, and verified bundles."""
 
 from __future__ import annotations
 
@@ -11,48 +12,66 @@ from stages.compile import run_compile
 from stages.config import load_config
 from stages.download import run_download
 from stages.export import run_export
-from stages.precision import PRECISIONS
-from stages.quantize import run_quantize
+from stages.precision import LPBQ_BLOCK_SCALE_MAX, PRECISIONS
+from stages.quantize import analyse, audit, lut_input_encodings, run_quantize
+from stages.report import read_report
 from stages.runtimes.genie.bundle import run_bundle
 from stages.runtimes.genie.verify import run_verify
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def w4a16(tmp_path_factory) -> tuple[Path, dict]:
-    work = tmp_path_factory.mktemp("w4a16")
-    cfg = load_config("tiny", {"precision": "w4a16"})
+def _quantized(tmp_path_factory, precision: str, **kwargs) -> tuple[Path, dict]:
+    work = tmp_path_factory.mktemp(precision)
+    cfg = load_config("tiny", {"precision": precision})
     ckpt = work / "checkpoints" / "tiny"
     run_download("tiny", "main", ckpt)
     run_export(cfg, work, ckpt)
-    return work, run_quantize(cfg, work, ckpt, compare_precisions=True)
+    return work, run_quantize(cfg, work, ckpt, **kwargs)
 
 
-def test_decoder_weights_are_int4_per_channel_and_the_lm_head_int8(w4a16):
-    _, report = w4a16
+@pytest.fixture(scope="module")
+def w4a16(tmp_path_factory) -> tuple[Path, dict]:
+    return _quantized(tmp_path_factory, "w4a16", compare_precisions=True)
+
+
+@pytest.fixture(scope="module")
+def lpbq(tmp_path_factory) -> tuple[Path, dict]:
+    return _quantized(tmp_path_factory, "w4a16-lpbq")
+
+
+def _decoder_weights(report: dict, scheme: str) -> list[dict]:
+    """The audited decoder weights of every graph, after checking that each graph's audit is clean, its
+    decoder weights int4 in `scheme`, and the lm_head (in the two last parts) int8 per channel."""
+    decoder, heads = [], []
     for graph in report["figures"]["graphs"]:
         audit = graph["audit"]
         assert audit["problems"] == []
-        decoder = [w for w in audit["weights"] if w["role"] == "decoder"]
-        assert decoder and all(w["type"] == "int4" and w["scheme"] == "int4-channel" for w in decoder)
-        assert all(w["block_size"] == 0 for w in decoder)
-        heads = [w for w in audit["weights"] if w["role"] == "lm_head"]
-        assert all(w["type"] == "int8" and w["block_size"] == 0 for w in heads)
-    assert (
-        sum(w["role"] == "lm_head" for g in report["figures"]["graphs"] for w in g["audit"]["weights"]) == 2
-    )
+        ours = [w for w in audit["weights"] if w["role"] == "decoder"]
+        assert ours and all(w["type"] == "int4" and w["scheme"] == scheme for w in ours)
+        decoder += ours
+        heads += [w for w in audit["weights"] if w["role"] == "lm_head"]
+    assert len(heads) == 2 and all(w["type"] == "int8" and w["block_size"] == 0 for w in heads)
+    return decoder
+
+
+def test_decoder_weights_are_int4_per_channel_and_the_lm_head_int8(w4a16):
+    assert all(w["block_size"] == 0 for w in _decoder_weights(w4a16[1], "int4-channel"))
 
 
 def test_the_precision_table_ranks_as_measured(w4a16):
     _, report = w4a16
     quality = report["figures"]["quality_by_precision"]
-    assert set(quality) == {"w8a16", "w4a16", "w4a16-mixed"}
+    assert set(quality) == {"w8a16", "w4a16", "w4a16-mixed", "w4a16-lpbq"}
     assert all(not q.get("audit_problems") for q in quality.values())
-    by_kl = sorted(quality, key=lambda name: quality[name]["kl_divergence"])
-    assert by_kl == sorted(quality, key=lambda name: PRECISIONS[name].quality_rank)
+    kl = {name: q["kl_divergence"] for name, q in quality.items()}
+    rank = {name: PRECISIONS[name].quality_rank for name in quality}
+    # A better rank is a lower KL; equal ranks are level (LPBQ with whole-column blocks on this model).
+    assert all(kl[a] < kl[b] for a in quality for b in quality if rank[a] < rank[b])
+    assert rank["w4a16-lpbq"] == rank["w4a16"] and abs(kl["w4a16-lpbq"] - kl["w4a16"]) < 0.25 * kl["w4a16"]
     # 4 bits cost quality on this 64-wide model; the report says how much.
     assert quality["w8a16"]["top1_agreement"] > quality["w4a16"]["top1_agreement"] > 0.85
+    assert quality["w8a16"]["top1_agreement"] > quality["w4a16-lpbq"]["top1_agreement"] > 0.75
     # GPTQ (the default rounding): held-out KL 0.041 where the clipping search alone measured 0.076.
     assert quality["w4a16"]["kl_divergence"] < 0.05
     # The mixed precision at its own share (75 % of decoder parameters int8) is measured too.
@@ -105,8 +124,6 @@ def test_4bit_graphs_compile_for_v69_in_one_partition(w4a16):
 def _emulated_vs_cpu(precision: str, tmp_path: Path) -> float:
     """Mean |difference| in output LSB between onnxruntime's CPU QDQ reference and QNN's x86 HTP
     emulation (soc 36 / v69) of one uint16 MatMul whose weight takes the precision's scheme."""
-    import dataclasses
-
     import numpy as np
     import onnx
     import onnxruntime as ort
@@ -147,8 +164,7 @@ def _emulated_vs_cpu(precision: str, tmp_path: Path) -> float:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     model.ir_version = 10
-    cfg = dataclasses.replace(load_config("tiny"), precision=precision)  # refused ones too
-    apply_weight_scheme(cfg, model, {"mm": w})
+    apply_weight_scheme(load_config("tiny", {"precision": precision}), model, {"mm": w})
     path = tmp_path / f"{precision}.onnx"
     onnx.save(model, str(path))
     x = rng.integers(0, 65535, size=(1, 8, rows)).astype(np.uint16)
@@ -164,21 +180,57 @@ def _emulated_vs_cpu(precision: str, tmp_path: Path) -> float:
     return float(np.abs(ref.astype(np.int64) - got.astype(np.int64)).mean())
 
 
-def test_v69_emulation_agrees_with_int4_per_channel_and_not_with_lpbq(tmp_path):
-    """Why w4a16 is int4 per channel and w4a16-lpbq is refused: in QNN's HTP emulation the per-channel
-    int4 MatMul is as close to its QDQ graph as int8 is; the LPBQ one is not (onnxruntime-qnn 2.7.0)."""
+def test_v69_emulation_agrees_with_int8_int4_per_channel_and_lpbq(tmp_path):
+    """In QNN's HTP emulation the int4 MatMuls, per channel and LPBQ, are as close to their QDQ graphs as
+    the int8 one (onnxruntime-qnn 2.7.0: 5.6, 8.3 and 5.8 LSB). LPBQ agrees because its block scales are
+    4-bit integers, the encoding the QNN EP fuses the pattern into; as 1..255 they were 1763 LSB off."""
+    import onnx
+    from onnx import numpy_helper
+
     int8 = _emulated_vs_cpu("w8a16", tmp_path)
     int4 = _emulated_vs_cpu("w4a16", tmp_path)
     lpbq = _emulated_vs_cpu("w4a16-lpbq", tmp_path)
-    assert int8 < 20 and int4 < 20
-    assert lpbq > 100  # when this fails, LPBQ agrees: lift the refusal in stages/precision.py
+    assert int8 < 20 and int4 < 20 and lpbq < 20, (int8, int4, lpbq)
+    model = onnx.load(str(tmp_path / "w4a16-lpbq.onnx"))
+    (scales,) = [i for i in model.graph.initializer if i.name.endswith("_block_scales_q")]
+    q = numpy_helper.to_array(scales)
+    assert q.shape == (4, 16) and q.min() >= 1 and q.max() <= LPBQ_BLOCK_SCALE_MAX == 15
 
 
-def test_the_w4a16_bundle_verifies_on_the_htp_emulation(w4a16):
-    """`make demo PRECISION=w4a16`'s verify: the binaries agree with the graphs they were compiled from
+def test_lpbq_weights_are_int4_in_64_row_blocks_with_4_bit_scales(lpbq):
+    decoder = _decoder_weights(lpbq[1], "int4-lpbq64")
+    # 64-row blocks; the tiny model's 32-row o_proj is one block per column.
+    assert {w["block_size"] for w in decoder} == {32, 64}
+    assert all(1 <= w["block_scales"][0] <= w["block_scales"][1] <= 15 for w in decoder)
+
+
+@pytest.mark.parametrize("value", [0, 16])
+def test_the_audit_names_a_weight_whose_block_scales_leave_4_bits(lpbq, value):
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    work, report = lpbq
+    g = report["figures"]["graphs"][0]
+    model = onnx.load(str(work / "quantized" / g["qdq_onnx"]))
+    scales = next(i for i in model.graph.initializer if i.name.endswith("mlp.up_proj.weight_block_scales_q"))
+    q = numpy_helper.to_array(scales).copy()
+    q[0, 0] = value
+    scales.CopyFrom(numpy_helper.from_array(q.astype(np.uint8), scales.name))
+    export_dir = work / "exported"
+    analysis = analyse(onnx.load(str(export_dir / f"{g['name']}.onnx")))
+    lut_inputs = lut_input_encodings(read_report(export_dir)["figures"]["luts"], {"per_layer_inputs"})
+    cfg = load_config("tiny", {"precision": "w4a16-lpbq"})
+    problems = audit(cfg, model, analysis, lut_inputs)["problems"]
+    weight = scales.name.removesuffix("_block_scales_q")
+    span = f"{q.min()}..{q.max()}, the HTP takes 1..15 (4 bits)"
+    assert [p for p in problems if "block scales span" in p] == [f"{weight}: block scales span {span}"]
+
+
+def _verified(work: Path, quantized: dict, precision: str) -> dict:
+    """`make demo PRECISION=...`'s verify: the binaries agree with the graphs they were compiled from
     at the full threshold, and with transformers as well as 4-bit quantization measured."""
-    work, quantized = w4a16
-    cfg = load_config("tiny", {"precision": "w4a16"})
+    cfg = load_config("tiny", {"precision": precision})
     if not (work / "compiled" / "report.json").is_file():
         run_compile(cfg, work)
     run_bundle(cfg, work, work / "checkpoints" / "tiny")
@@ -189,3 +241,13 @@ def test_the_w4a16_bundle_verifies_on_the_htp_emulation(w4a16):
     assert fig["bundle_vs_host_runner_logits"]["top1_agreement"] >= 0.9
     assert fig["heldout"]["top1_agreement"] >= measured - 0.05
     assert fig["matching_prefix_tokens"] >= 8
+    return fig
+
+
+def test_the_w4a16_bundle_verifies_on_the_htp_emulation(w4a16):
+    _verified(*w4a16, "w4a16")
+
+
+def test_the_lpbq_bundle_verifies_on_the_htp_emulation(lpbq):
+    """LPBQ's v69 binaries (HTP blockwise-expansion weights) run as their QDQ graphs do."""
+    _verified(*lpbq, "w4a16-lpbq")

@@ -119,7 +119,7 @@ def test_plan_prices_the_layouts_and_their_limits(g4v69):
     assert "per-context allocation limit" in r.output and "OVER" not in r.output
     assert "most accurate layout that fits a phone with 8 GB: w4a16-mixed, one graph kind AR-1" in r.output
     data = json.loads(g4v69("plan", "--json").output)
-    assert {lay["precision"] for lay in data["layouts"]} == {"w8a16", "w4a16", "w4a16-mixed"}
+    assert {lay["precision"] for lay in data["layouts"]} == {"w8a16", "w4a16", "w4a16-mixed", "w4a16-lpbq"}
     assert all(c["source"] for c in data["limits"])
 
 

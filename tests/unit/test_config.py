@@ -81,9 +81,10 @@ def test_a_precision_the_pipeline_cannot_build_is_refused_everywhere():
         load_config(overrides={"soc": "SM8650", "precision": "w16a16"})
 
 
-def test_lpbq_is_refused_with_the_reason():
-    with pytest.raises(ConfigError, match="w4a16-lpbq is refused: its v69 binaries disagree"):
-        load_config(overrides={"precision": "w4a16-lpbq"})
+def test_lpbq_is_built_for_v69_and_not_v68():
+    assert load_config(overrides={"precision": "w4a16-lpbq"}).precision == "w4a16-lpbq"
+    with pytest.raises(ConfigError, match="cannot run on SM8350"):
+        load_config(overrides={"soc": "SM8350", "precision": "w4a16-lpbq"})
 
 
 def test_precision_and_ple_policy_re_export():

@@ -204,8 +204,11 @@ def test_4bit_weights_halve_the_decoder_and_say_what_is_unverified(geo):
     w4 = make_plan(geo, original(**{"prefill_ar": 1, "precision": "w4a16"}))
     decoder = 1.86e9
     assert approx(sum(p.bytes for p in w8.parts) - sum(p.bytes for p in w4.parts), decoder / 2, rel=0.02)
-    # LPBQ would add one uint8 scale per 64 weights.
-    assert INT4_LPBQ64.stored_bytes(64 * 1536) - INT4_CHANNEL.stored_bytes(64 * 1536) == 1536
+    # LPBQ adds one 4-bit scale per 64 weights.
+    assert INT4_LPBQ64.stored_bytes(64 * 1536) - INT4_CHANNEL.stored_bytes(64 * 1536) == 1536 // 2
+    lpbq = make_plan(geo, original(**{"prefill_ar": 1, "precision": "w4a16-lpbq"}))
+    scales = sum(p.bytes for p in lpbq.parts) - sum(p.bytes for p in w4.parts)
+    assert approx(scales, decoder / 64 / 2, rel=0.02)
     assert w4.fits(8) and not w8.fits(8)
     phone = _limit(w4, "RAM a bundle may pin (8 GB")
     assert "unpacks them at load" in phone.unverified
@@ -216,7 +219,7 @@ def test_layouts_price_both_precisions_and_both_graph_kinds(geo):
     layouts = make_layouts(geo, original())
     names = [lay.name for lay in layouts]
     assert "w8a16, prefill AR-128 + decode AR-1" in names and "w4a16, one graph kind AR-1" in names
-    assert {lay.precision for lay in layouts} == {"w8a16", "w4a16", "w4a16-mixed"}
+    assert {lay.precision for lay in layouts} == {"w8a16", "w4a16", "w4a16-mixed", "w4a16-lpbq"}
     assert sum(lay.is_config for lay in layouts) == 1
     separate = next(lay for lay in layouts if lay.name == "w8a16, prefill AR-128 + decode AR-1")
     one = next(lay for lay in layouts if lay.name == "w8a16, one graph kind AR-1")
@@ -224,6 +227,13 @@ def test_layouts_price_both_precisions_and_both_graph_kinds(geo):
     best = recommended_layout(layouts, 8)
     # 4-bit weights with the most sensitive three quarters at int8, in one graph kind at AR-1.
     assert best is not None and best.fits[8] and best.name == "w4a16-mixed, one graph kind AR-1"
+    # LPBQ ranks level with int4 per channel, whose binaries are smaller (no block scales): among
+    # equals the planner takes int4 per channel.
+    w4 = next(lay for lay in layouts if lay.name == "w4a16, one graph kind AR-1")
+    lpbq = next(lay for lay in layouts if lay.name == "w4a16-lpbq, one graph kind AR-1")
+    assert lpbq.fits[8] and lpbq.quality_rank == w4.quality_rank
+    assert lpbq.binaries_bytes > w4.binaries_bytes
+    assert recommended_layout([lay for lay in layouts if "mixed" not in lay.name], 8).name == w4.name
     # Nothing more accurate fits: every w8a16 layout is over the 8 GB phone.
     assert all(not lay.fits[8] for lay in layouts if lay.precision == "w8a16")
     assert recommended_layout(layouts, 12).precision == "w8a16"

@@ -79,7 +79,7 @@ def _rounder(share_percent: str) -> WeightRounder:
         ("layers.0.mlp.down_proj.weight", 600, 0.0006),
         ("lm_head.weight", 1000, 0.5),  # not a decoder weight: never counted or chosen
     ):
-        rounder.rounded[name] = RoundedWeight(np.zeros(1), np.ones(1), params, nsr4, 0.0)
+        rounder.rounded[name] = RoundedWeight(np.zeros(1), np.ones(1), None, params, nsr4, 0.0)
     return rounder
 
 

@@ -3,8 +3,6 @@ precision's scheme (stages/precision.py), runs on onnxruntime's CPU EP, and keep
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -12,7 +10,15 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from stages.config import load_config
-from stages.quantize import _pack_int4, apply_weight_scheme, int4_channel, int4_lpbq, weight_role
+from stages.precision import INT4_LPBQ64, LPBQ_BLOCK_SCALE_MAX
+from stages.quantize import (
+    _pack_int4,
+    apply_weight_scheme,
+    int4_channel,
+    int4_lpbq,
+    lpbq_block,
+    weight_role,
+)
 from stages.runner import session_options
 
 ROWS, COLS = 256, 16
@@ -63,9 +69,8 @@ def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
 
 
 def _config(precision: str):
-    """The tiny config at a precision, refused ones included (the LPBQ rewrite stays tested while the
-    config refuses it)."""
-    return dataclasses.replace(load_config("tiny"), precision=precision)
+    """The tiny config at a precision."""
+    return load_config("tiny", {"precision": precision})
 
 
 def test_int4_packing_is_onnx_s_own_layout():
@@ -74,15 +79,56 @@ def test_int4_packing_is_onnx_s_own_layout():
     assert (numpy_helper.to_array(t).astype(np.int8) == q).all()
 
 
-def test_lpbq_scales_are_uint8_times_a_channel_scale():
+def test_lpbq_block_scales_are_4bit_integers_times_a_channel_scale():
     w = _weight()
     q, q_scale, channel = int4_lpbq(w, 64)
     assert q.dtype == np.int8 and q.min() >= -8 and q.max() <= 7
-    assert q_scale.dtype == np.uint8 and q_scale.shape == (ROWS // 64, COLS) and q_scale.max() == 255
+    # The HTP reads a block scale as a 4-bit integer: 1..15, however wide the blocks' magnitudes range
+    # (here 100x: the quiet blocks sit at the bottom of the range, the loud one near the top).
+    assert q_scale.dtype == np.uint8 and q_scale.shape == (ROWS // 64, COLS)
+    assert q_scale.min() >= 1 and q_scale.max() <= LPBQ_BLOCK_SCALE_MAX == 15
+    assert channel.dtype == np.float32 and (channel > 0).all()
+    assert (q_scale[2] >= 12).all() and (q_scale[0] == 1).all()
     recon = (q.reshape(4, 64, COLS) * (q_scale * channel)[:, None, :]).reshape(ROWS, COLS)
     per_channel_q, per_channel_s = int4_channel(w)
     # Block scales follow the quiet blocks that one scale per column (even a clipped one) crushes to zero.
     assert np.abs(recon - w).mean() < 0.6 * np.abs(per_channel_q * per_channel_s - w).mean()
+
+
+def test_lpbq_block_scales_are_the_least_error_integers():
+    """Each block takes the integer scale with the least squared error: never worse than rounding its
+    max-abs scale to the nearest integer (what a plain LPBQ conversion does)."""
+    rng = np.random.default_rng(7)
+    w = (rng.standard_t(3, size=(8, 16, 24)) * rng.uniform(0.01, 1.0, (8, 1, 24))).reshape(128, 24)
+    w = w.astype(np.float32)
+    q, q_scale, channel = int4_lpbq(w, 16)
+    blocks = w.reshape(8, 16, 24)
+    nearest = np.clip(np.rint(np.abs(blocks).max(axis=1) / 7 / channel), 1, LPBQ_BLOCK_SCALE_MAX)
+
+    def err(k):
+        s = (k * channel)[:, None, :]
+        return np.square(np.clip(np.rint(blocks / s), -8, 7) * s - blocks).sum(axis=1)
+
+    assert (err(q_scale.astype(np.float32)) <= err(nearest) * (1 + 1e-6)).all()
+    assert err(q_scale.astype(np.float32)).sum() < 0.95 * err(nearest).sum()
+    # The values are what the chosen scales give.
+    assert (q.reshape(8, 16, 24) == np.clip(np.rint(blocks / (q_scale * channel)[:, None, :]), -8, 7)).all()
+
+
+def test_int4_lpbq_is_the_same_on_any_number_of_threads():
+    rng = np.random.default_rng(5)
+    w = (rng.normal(size=(96, 37)) * rng.uniform(0.01, 2.0, 37)).astype(np.float32)
+    w[:, 4] = 0.0  # an all-zero column: channel scale 1, block scales at the top of the range
+    one = int4_lpbq(w, 16, workers=1)
+    for workers in (2, 3, 37, 64):
+        other = int4_lpbq(w, 16, workers=workers)
+        assert [a.tobytes() for a in other] == [a.tobytes() for a in one]
+
+
+def test_lpbq_blocks_and_their_price():
+    """64-row blocks, or one per column where a column is shorter; one 4-bit scale per block."""
+    assert [lpbq_block(INT4_LPBQ64, rows) for rows in (1536, 128, 64, 32)] == [64, 64, 64, 32]
+    assert INT4_LPBQ64.stored_bytes(64 * 1536) == 64 * 1536 // 2 + 1536 // 2
 
 
 @pytest.mark.parametrize(
@@ -101,6 +147,8 @@ def test_the_rewritten_graph_runs_and_stays_close_to_float(precision, scheme_typ
     if block:  # the block scales come from a UINT8 DequantizeLinear: the pattern the QNN EP fuses
         scales = next(n for n in model.graph.node if n.output[0] == dq.input[1])
         assert scales.op_type == "DequantizeLinear" and inits[scales.input[0]].data_type == TensorProto.UINT8
+        assert [a.i for a in scales.attribute if a.name == "axis"] == [1]
+        assert [a.i for a in dq.attribute if a.name == "axis"] == [0]
     if block:
         q, q_scale, channel = int4_lpbq(w, block)
         recon = (q.reshape(-1, block, COLS) * (q_scale * channel)[:, None, :]).reshape(ROWS, COLS)
