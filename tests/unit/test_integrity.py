@@ -264,14 +264,54 @@ def test_a_finished_stage_is_stamped_dated_like_its_report(g4v69, tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= recorded
 
 
-def test_verify_floor_against_transformers_follows_measured_quantization():
-    from stages.runtimes.genie.verify import float_reference_floor
+def test_verify_floor_against_transformers_is_the_presets_floor_less_the_margin():
+    from stages.runtimes.genie.verify import Thresholds, transformers_floor
 
-    report = {"figures": {"quality": {"float16": {"top1_agreement": 0.831}}}}
-    assert float_reference_floor(0.9, report, "float16") == 0.781
-    # A precision that measured better than the threshold keeps the threshold.
-    good = {"figures": {"quality": {"float16": {"top1_agreement": 0.984}}}}
-    assert float_reference_floor(0.9, good, "float16") == 0.9
-    # No measurement (another PLE policy, or no report): the threshold.
-    assert float_reference_floor(0.9, report, "int8") == 0.9
-    assert float_reference_floor(0.9, None, "float16") == 0.9
+    tiny = load_config("tiny")
+    assert transformers_floor(tiny) == 0.9  # min_top1_agreement_w8 0.95
+    assert transformers_floor(tiny.with_overrides(precision="w4a16")) == 0.7  # min_top1_agreement_w4 0.75
+    assert transformers_floor(load_config("default")) == 0.55
+    assert transformers_floor(tiny.with_overrides(min_top1_agreement_w8=0.99)) == 0.94
+    assert Thresholds().top1_with_transformers(tiny) == 0.9
+    assert Thresholds.with_overrides(min_top1=0.5).top1_with_transformers(tiny) == 0.5
+
+
+def _measured(**figures):
+    return {
+        "matching_prefix": 32,
+        "generated": 32,
+        "top1_prompt": 1.0,
+        "top1_heldout": 1.0,
+        "top1_own_graphs": 1.0,
+        **figures,
+    }
+
+
+def test_verify_min_top1_never_loosens_the_bundle_against_its_own_graphs():
+    from stages.runtimes.genie.verify import OWN_GRAPHS_MIN_TOP1, Thresholds
+
+    tiny = load_config("tiny")
+    binaries_off = _measured(top1_own_graphs=0.5)
+    for thresholds in (
+        Thresholds(),
+        Thresholds.with_overrides(min_top1=0),
+        Thresholds.with_overrides(0, 0.1),
+    ):
+        (line,) = thresholds.shortfalls(tiny, binaries_off)
+        assert f"the bundle's quantized graphs on the host 0.500, 0.400 below {OWN_GRAPHS_MIN_TOP1}" in line
+        assert "VERIFY_MIN_TOP1" not in line and "fixed" in line
+    # It does set the floor against transformers, both ways.
+    assert Thresholds.with_overrides(min_top1=0).shortfalls(tiny, _measured(top1_prompt=0.2)) == []
+    (line,) = Thresholds.with_overrides(min_top1=0.99).shortfalls(tiny, _measured(top1_heldout=0.95))
+    assert "held-out text with transformers 0.950, 0.040 below 0.99 (VERIFY_MIN_TOP1)" in line
+
+
+def test_verify_names_the_presets_floor_it_fell_below():
+    from stages.runtimes.genie.verify import Thresholds
+
+    w4 = load_config("tiny", {"precision": "w4a16"})
+    assert Thresholds().shortfalls(w4, _measured(top1_prompt=0.72, top1_heldout=0.71)) == []
+    (line,) = Thresholds().shortfalls(w4, _measured(top1_heldout=0.65))
+    assert line.endswith("0.650, 0.050 below 0.7 (min_top1_agreement_w4 0.75 less 0.05)")
+    (line,) = Thresholds().shortfalls(w4, _measured(matching_prefix=3, generated=5))
+    assert "match transformers for 3, 2 short of 5 (VERIFY_MIN_PREFIX)" in line
