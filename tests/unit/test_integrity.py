@@ -7,6 +7,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 
 import pytest
 
@@ -110,6 +111,75 @@ def test_a_folder_without_a_report_asks_for_its_stage(tmp_path):
     (tmp_path / "quantized").mkdir()
     with pytest.raises(IntegrityError, match="holds no finished quantize stage.*`make quantize` first"):
         check_inputs(tmp_path, [tmp_path / "quantized"])
+
+
+# ---- the reports themselves ----
+def _quantize_then_compile(workdir, top1=0.984):
+    """A quantize stage with its quality figures, and a compile stage that read its report."""
+    quantized = workdir / rp.STAGE_DIRS["quantize"]
+    with stage_output("quantize", quantized, [], {}, root=workdir) as run:
+        (run.dir / "g.qdq.onnx").write_bytes(b"q" * 20)
+        run.figures["quality"] = {"float16": {"top1_agreement": top1, "kl_divergence": 0.0007}}
+    compiled = workdir / rp.STAGE_DIRS["compile"]
+    with stage_output("compile", compiled, [quantized / "report.json"], {}, root=workdir) as run:
+        (run.dir / "g.bin").write_bytes(b"b" * 20)
+    stamps = workdir / ".g4v69"
+    stamps.mkdir(exist_ok=True)
+    for name in ("quantize-q.json", "compile-c.json"):
+        (stamps / name).write_text("{}")
+    return quantized, compiled
+
+
+def _edit_top1(folder, top1):
+    report = json.loads((folder / "report.json").read_text())
+    report["figures"]["quality"]["float16"]["top1_agreement"] = top1
+    (folder / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return report
+
+
+def test_a_report_edited_by_hand_is_refused_by_name(tmp_path):
+    quantized, compiled = _quantize_then_compile(tmp_path)
+    report = read_report(quantized)
+    assert report[rp.REPORT_SEAL] == rp.report_seal(report)
+    # The compile stage recorded the quantize report it read, with its sha256.
+    assert [f["path"] for f in read_report(compiled)["inputs"]] == ["quantized/report.json"]
+    check_inputs(tmp_path, [quantized])
+    _edit_top1(quantized, 0.1)  # a floor read from it would have moved
+    for paths in ([quantized], [quantized / "report.json"], [compiled]):
+        with pytest.raises(IntegrityError) as e:
+            check_inputs(tmp_path, paths)
+        line = str(e.value)
+        assert line == (
+            f"{quantized / 'report.json'} changed after quantize wrote it (its report_sha256 does not "
+            "match its content); run `make quantize` again"
+        )
+    assert sorted(p.name for p in (tmp_path / ".g4v69").iterdir()) == ["compile-c.json"]
+    # A report without a seal (an older g4v69's, or one rewritten without it) is refused as well.
+    report.pop(rp.REPORT_SEAL)
+    (quantized / "report.json").write_text(json.dumps(report))
+    with pytest.raises(IntegrityError, match="report.json has no report_sha256 .*run `make quantize` again"):
+        check_inputs(tmp_path, [quantized])
+
+
+def test_a_report_a_later_stage_read_is_checked_against_its_record(tmp_path):
+    quantized, compiled = _quantize_then_compile(tmp_path)
+    check_inputs(tmp_path, [compiled / "report.json"])
+    # quantize made again (a whole, sealed report, with other figures) after compile read the first:
+    # compile is stale, and a stage reading both says so.
+    with stage_output("quantize", quantized, [], {}, root=tmp_path) as run:
+        (run.dir / "g.qdq.onnx").write_bytes(b"q" * 20)
+        run.figures["quality"] = {"float16": {"top1_agreement": 0.5, "kl_divergence": 0.5}}
+    check_inputs(tmp_path, [quantized])
+    with pytest.raises(IntegrityError) as e:
+        check_inputs(tmp_path, [compiled])
+    assert str(e.value) == (
+        f"{quantized / 'report.json'} is not the one compile read (its sha256 differs from the record in "
+        f"{compiled / 'report.json'}): quantize ran again since; run `make compile` again"
+    )
+    assert sorted(p.name for p in (tmp_path / ".g4v69").iterdir()) == ["quantize-q.json"]
+    # A stage that does not read quantized/ is not stopped by its absence.
+    shutil.rmtree(quantized)
+    check_inputs(tmp_path, [compiled])
 
 
 # ---- per-config stamps ----

@@ -239,7 +239,9 @@ def run_verify(
     compiled = read_report(compiled_dir)
     if read_report(bundle_dir) is None or compiled is None:
         raise VerifyError(f"{bundle_dir} holds no finished bundle; run `make bundle` first")
-    check_inputs(workdir, [bundle_dir, quantized_dir, checkpoint_dir], cfg)
+    # The compile and export reports are read too (the binaries' records, the graphs and LUTs).
+    reports = [compiled_dir / REPORT_NAME, export_dir / REPORT_NAME]
+    check_inputs(workdir, [bundle_dir, quantized_dir, *reports, checkpoint_dir], cfg)
     geo = Checkpoint(checkpoint_dir).geometry
     # A failed verify must not leave an earlier run's passing report behind.
     (output_dir(workdir, "verify") / REPORT_NAME).unlink(missing_ok=True)
