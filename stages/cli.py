@@ -419,7 +419,10 @@ def _echo_bundle_limits(obj: Context) -> None:
     "--min-prefix", type=click.IntRange(0), help="fail below this many greedy tokens equal to transformers"
 )
 @click.option(
-    "--min-top1", type=click.FloatRange(0, 1), help="fail below this top-1 agreement with transformers"
+    "--min-top1",
+    type=click.FloatRange(0, 1),
+    help="fail below this top-1 agreement with transformers (default: the preset's quality floor for the "
+    "precision less a margin); the bundle against its own quantized graphs keeps its fixed threshold",
 )
 @click.pass_obj
 def verify(

@@ -8,6 +8,7 @@ the values it may take.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -48,6 +49,28 @@ STAGES = STAGE_NAMES
 
 def _meta(stage: str, doc: str) -> dict[str, str]:
     return {"stage": stage, "doc": doc}
+
+
+@dataclass(frozen=True)
+class QualityFloor:
+    """The quality a precision's quantized graphs must reach on held-out text (measured by the quantize
+    stage against the float graphs): top-1 agreement at least `min_top1`, mean KL divergence at most
+    `max_kl`; `top1_field` and `kl_field` are the config fields that set them."""
+
+    min_top1: float
+    max_kl: float
+    top1_field: str
+    kl_field: str
+    weights: str  # "8-bit", "4-bit"
+
+    def shortfalls(self, top1: float, kl: float) -> dict[str, str]:
+        """What the measured figures miss, by the field that sets the missed floor (empty: none)."""
+        out = {}
+        if top1 < self.min_top1:
+            out[self.top1_field] = f"top-1 agreement with the float graphs {top1:.4f}, floor {self.min_top1}"
+        if kl > self.max_kl:
+            out[self.kl_field] = f"KL divergence {kl:.5f} nats per token, ceiling {self.max_kl}"
+        return out
 
 
 @dataclass(frozen=True)
@@ -101,6 +124,15 @@ class PipelineConfig:
             "(clipping search alone)",
         )
     )
+    # Quality floors (quality_floor below): the quantize stage fails when its quantized graphs, on held-out
+    # text, agree with the float graphs' top-1 token less often than the floor, or their next-token
+    # distributions diverge more (mean KL(float || quantized), nats per token), for the width of the
+    # precision's decoder weights; verify's floor against transformers is the same top-1 floor less a
+    # margin. A floor decides whether quantize's output stands, so changing one redoes quantize.
+    min_top1_agreement_w8: float = field(metadata=_meta("quantize", "held-out top-1 floor, 8-bit weights"))
+    max_kl_divergence_w8: float = field(metadata=_meta("quantize", "held-out KL ceiling, 8-bit weights"))
+    min_top1_agreement_w4: float = field(metadata=_meta("quantize", "held-out top-1 floor, 4-bit weights"))
+    max_kl_divergence_w4: float = field(metadata=_meta("quantize", "held-out KL ceiling, 4-bit weights"))
 
     # ---- derived facts: computed, never stored in a preset ----
     @property
@@ -146,6 +178,14 @@ class PipelineConfig:
         if self.kv_bits == "auto":
             return 16 if self.soc_info.matmul_16x16 else 8
         return int(self.kv_bits)
+
+    @property
+    def quality_floor(self) -> QualityFloor:
+        """The floors for this precision: its decoder weights' bits pick the w8 pair (8 bits or more)
+        or the w4 pair (fewer)."""
+        width = "w8" if self.precision_info.weight_bits >= 8 else "w4"
+        top1, kl = f"min_top1_agreement_{width}", f"max_kl_divergence_{width}"
+        return QualityFloor(getattr(self, top1), getattr(self, kl), top1, kl, f"{width[1:]}-bit")
 
     @property
     def separate_prefill_and_decode(self) -> bool:
@@ -219,13 +259,15 @@ _QAIRT_VERSION = re.compile(r"^\d+\.\d+$")
 def _coerce(name: str, value: Any) -> Any:
     if name not in _FIELD_TYPES:
         raise ConfigError(name, f"unknown field; allowed fields: {', '.join(FIELD_NAMES)}")
-    if _FIELD_TYPES[name] == "int":
+    numeric = {"int": (int, "an integer"), "float": (float, "a number")}.get(_FIELD_TYPES[name])
+    if numeric:
+        kind, what = numeric
         if isinstance(value, bool):
-            raise ConfigError(name, f"expected an integer, got {value!r}")
+            raise ConfigError(name, f"expected {what}, got {value!r}")
         try:
-            return int(value)
+            return kind(value)
         except (TypeError, ValueError):
-            raise ConfigError(name, f"expected an integer, got {value!r}") from None
+            raise ConfigError(name, f"expected {what}, got {value!r}") from None
     if isinstance(value, (dict, list)):
         raise ConfigError(name, f"expected a string, got {value!r}")
     return str(value)
@@ -324,6 +366,12 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
             f"{cfg.int8_percent} needs a mixed precision ({mixed}); {cfg.precision} has one scheme for "
             "every decoder weight; allowed values here: 0",
         )
+    for width in ("w8", "w4"):
+        top1, kl = f"min_top1_agreement_{width}", f"max_kl_divergence_{width}"
+        if not 0 <= getattr(cfg, top1) <= 1:
+            raise ConfigError(top1, f"{getattr(cfg, top1)} is out of range; allowed values: 0..1")
+        if not 0 < getattr(cfg, kl) < math.inf:
+            raise ConfigError(kl, f"{getattr(cfg, kl)} is out of range; allowed values: a number > 0")
     if cfg.kv_bits == "16" and not soc.matmul_16x16:
         raise ConfigError(
             "kv_bits",

@@ -149,6 +149,24 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def below_floor(cfg, figures: dict[str, Any]) -> str | None:
+    """The one-line refusal when the held-out figures (compare_chains) miss the config's quality floor
+    for its precision (PipelineConfig.quality_floor), or None when they clear it."""
+    floor = cfg.quality_floor
+    short = floor.shortfalls(figures["top1_agreement"], figures["kl_divergence"])
+    if not short:
+        return None
+    return (
+        f"the {cfg.precision} graphs fall below the quality floor for {floor.weights} weights on "
+        f"{figures['tokens']} held-out tokens: "
+        + "; ".join(f"{text} ({name})" for name, text in short.items())
+        + ". Nothing was kept: a quantization this far from the float graphs is broken (look at the "
+        "calibration text, the precision and ple_policy); if it is what this model really gets, relax "
+        f"{' and '.join(short)} (in the preset, as {', '.join('--' + f.replace('_', '-') for f in short)} "
+        f"or {', '.join('G4V69_' + f.upper() for f in short)}) and run `make quantize` again"
+    )
+
+
 def compare_chains(fp_runner, q_runner, samples: list[list[int]], decode_steps: int) -> dict[str, float]:
     agree, kl, nll_fp, nll_q, count = 0, 0.0, 0.0, 0.0, 0
     fp_logits = chain_logits(fp_runner, samples, decode_steps)

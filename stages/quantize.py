@@ -1660,6 +1660,12 @@ def run_quantize(
         if split:
             raise QuantizeError(f"KV caches {', '.join(split)} differ in encoding between graphs")
         quality = {cfg.ple_policy: _quality(cfg, export_dir, main, eval_samples, decode_steps)}
+        # The absolute floor (the preset's, for this precision): below it nothing is kept.
+        from stages.quality import below_floor
+
+        below = below_floor(cfg, quality[cfg.ple_policy])
+        if below:
+            raise QuantizeError(below)
         if compare_ple_policies:
             for policy in (p for p in ("float16", "int16", "int8") if p != cfg.ple_policy):
                 with tempfile.TemporaryDirectory(dir=run.dir) as tmp:

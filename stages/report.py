@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from stages.config import PipelineConfig
 
 REPORT_NAME = "report.json"
+# A report seals itself: this field holds the sha256 of the rest of it (report_seal), so a report edited
+# by hand is refused by the next stage that reads it. A later stage that read an upstream's report also
+# records its sha256 among its inputs, and the stages after it check that record (check_inputs).
+REPORT_SEAL = "report_sha256"
 # Distributions whose versions a report records when installed; the ones a stage uses are a subset.
 TOOL_DISTRIBUTIONS = (
     "g4v69",
@@ -112,23 +116,31 @@ def _invalidate(workdir: Path, stage: str, folder: Path) -> None:
 
 def check_inputs(workdir: Path, paths: list[Path], config: PipelineConfig | None = None) -> None:
     """Check the files a stage is about to read against the sha256 values the stages that made them
-    recorded in their report.json (a folder: every file its report lists; a file: that one), and,
-    given the stage's `config`, each upstream stage's own config fields against what it ran with.
+    recorded in their report.json (a folder: every file its report lists; a file: that one; a
+    report.json: only the report), and, given the stage's `config`, each upstream stage's own config
+    fields against what it ran with.
+
+    Each upstream's report.json is checked too: against its own seal (REPORT_SEAL), and every report of
+    a stage before it that it read (recorded among its inputs) against the sha256 it recorded. So the
+    quantize stage's report, which compile reads and records, is checked against compile's record by
+    bundle and verify.
 
     A file that differs stops the stage with one line naming it and the stage to run again; that
     stage's stamps are removed so that `make <stage>` really redoes it. A config field that differs
     stops it too: the stage would otherwise read graphs made for one value while acting on another.
     """
+    checked: set[Path] = set()
     for path in paths:
         path = Path(path)
         folder, stage = _stage_folder(path)
-        report = read_report(folder)
-        if report is None:
-            raise IntegrityError(
-                f"{folder} holds no finished {stage} stage (no {REPORT_NAME}); run `make {stage}` first"
-            )
-        if config is not None:
-            _check_options(workdir, config, folder, stage, report)
+        report = _finished_report(folder, stage)
+        if folder not in checked:
+            checked.add(folder)
+            _check_report(workdir, folder, stage, report)
+            if config is not None:
+                _check_options(workdir, config, folder, stage, report)
+        if path == folder / REPORT_NAME:
+            continue
         recorded = {f["path"]: f for f in report.get("outputs", [])}
         wanted = sorted(recorded) if path == folder else [str(path.relative_to(folder))]
         for rel in wanted:
@@ -146,6 +158,64 @@ def check_inputs(workdir: Path, paths: list[Path], config: PipelineConfig | None
             if problem:
                 _invalidate(workdir, stage, folder)
                 raise IntegrityError(f"{file} {problem}; run `make {stage}` again")
+
+
+def _finished_report(folder: Path, stage: str) -> dict[str, Any]:
+    report = read_report(folder)
+    if report is None:
+        raise IntegrityError(
+            f"{folder} holds no finished {stage} stage (no {REPORT_NAME}); run `make {stage}` first"
+        )
+    return report
+
+
+def report_seal(report: dict[str, Any]) -> str:
+    """The sha256 a report carries in REPORT_SEAL: of its JSON without that field, keys sorted."""
+    body = {k: v for k, v in report.items() if k != REPORT_SEAL}
+    return hashlib.sha256(json.dumps(body, indent=2, sort_keys=True).encode()).hexdigest()
+
+
+def write_report(folder: Path, report: dict[str, Any]) -> None:
+    """Write folder/report.json, sealed."""
+    write_json_atomic(Path(folder) / REPORT_NAME, {**report, REPORT_SEAL: report_seal(report)})
+
+
+def _check_seal(workdir: Path, folder: Path, stage: str, report: dict[str, Any]) -> None:
+    if report.get(REPORT_SEAL) == report_seal(report):
+        return
+    _invalidate(workdir, stage, folder)
+    why = (
+        f"changed after {stage} wrote it (its {REPORT_SEAL} does not match its content)"
+        if REPORT_SEAL in report
+        else f"has no {REPORT_SEAL} (written before reports were sealed, or edited)"
+    )
+    raise IntegrityError(f"{folder / REPORT_NAME} {why}; run `make {stage}` again")
+
+
+def _check_report(workdir: Path, folder: Path, stage: str, report: dict[str, Any]) -> None:
+    """The report against its seal, and the upstream reports it recorded among its inputs against the
+    sha256 recorded: a different but intact one means the upstream stage ran again after this one
+    read it, so this one is stale. An upstream folder since removed is left to the stages that read
+    it (bundle needs no quantized/)."""
+    _check_seal(workdir, folder, stage, report)
+    for entry in report.get("inputs", []):
+        upstream = Path(workdir) / entry["path"]
+        if upstream.name != REPORT_NAME:
+            continue
+        try:
+            up_folder, up_stage = _stage_folder(upstream)
+        except ValueError:
+            continue
+        up_report = read_report(up_folder)
+        if up_report is None:
+            continue
+        _check_seal(workdir, up_folder, up_stage, up_report)
+        if sha256_file(upstream) != entry["sha256"]:
+            _invalidate(workdir, stage, folder)
+            raise IntegrityError(
+                f"{upstream} is not the one {stage} read (its sha256 differs from the record in "
+                f"{folder / REPORT_NAME}): {up_stage} ran again since; run `make {stage}` again"
+            )
 
 
 def _check_options(
@@ -335,7 +405,8 @@ def stage_output(
     root: Path,
     need_bytes: int = 0,
 ) -> Iterator[StageRun]:
-    """Run a stage into a temporary sibling of out_dir; on success write report.json and swap it in.
+    """Run a stage into a temporary sibling of out_dir; on success write report.json (sealed) and swap
+    it in.
 
     Leftovers of killed runs of this stage are removed first; `need_bytes` (the output's expected
     size) must be free on the disk. On any exception the temporary folder is removed and an
@@ -384,7 +455,7 @@ def stage_output(
                 "peak_rss_bytes": peak_rss_bytes(),
                 "figures": run.figures,
             }
-            write_json_atomic(tmp / REPORT_NAME, redact(report))
+            write_report(tmp, redact(report))
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             if out_dir.exists():
                 os.replace(out_dir, old)

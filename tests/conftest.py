@@ -135,6 +135,23 @@ def copy_workdir(src: Path, dest: Path) -> Path:
     return dest
 
 
+def rewrite_report(work: Path, folder: Path, report: dict) -> None:
+    """Write folder/report.json as its stage would have (sealed), and record the new file in every
+    later stage's report under `work` that read it, and so on down: a work folder whose stages all
+    agree with the edited report, for tests of what a stage does with such a report."""
+    from stages.report import REPORT_NAME, STAGE_DIRS, read_report, sha256_file, write_report
+
+    write_report(folder, report)
+    path = (folder / REPORT_NAME).resolve()
+    for stage, name in STAGE_DIRS.items():
+        later = read_report(work / name) if stage != "download" else None
+        for entry in (later or {}).get("inputs", []):
+            if (work / entry["path"]).resolve() == path:
+                entry.update(bytes=path.stat().st_size, sha256=sha256_file(path))
+                rewrite_report(work, work / name, later)
+                break
+
+
 @pytest.fixture
 def fake_hub(tmp_path, monkeypatch):
     """The qai_hub test double with a fresh server; `fake_hub.scenario(**settings)` sets its behaviour."""

@@ -26,7 +26,7 @@ from stages.runtimes.genie.bundle import (
     run_bundle,
 )
 from stages.runtimes.genie.verify import run_verify
-from tests.conftest import REPO, copy_workdir
+from tests.conftest import REPO, copy_workdir, rewrite_report
 
 pytestmark = pytest.mark.slow
 GOLDEN = REPO / "tests" / "golden"
@@ -222,7 +222,7 @@ def test_a_bundle_genie_could_not_load_or_feed_is_refused_whole(sm8450, tmp_path
         for g in b["graphs"]:
             if "per_layer_inputs" in g["io"]["inputs"]:
                 g["io"]["inputs"]["per_layer_inputs"] = {"dtype": "float32", "shape": [1, 1, 4, 8]}
-    report_path.write_text(json.dumps(compiled))
+    rewrite_report(work, report_path.parent, compiled)
     with pytest.raises(
         BundleError, match=r"cannot feed graph input per_layer_inputs \(float32\) from the perl"
     ):
@@ -233,7 +233,7 @@ def test_a_bundle_genie_could_not_load_or_feed_is_refused_whole(sm8450, tmp_path
         for g in b["graphs"]:
             if g["name"] == "decode_ar1_part2_of_2":
                 g["io"]["inputs"]["hidden_states_layer4"]["offset"] += 1
-    report_path.write_text(json.dumps(compiled))
+    rewrite_report(work, report_path.parent, compiled)
     with pytest.raises(BundleError, match="hidden_states_layer4 has 2 encodings across the graphs"):
         run_bundle(load_config("tiny"), work, work / "checkpoints" / "tiny")
     assert not (work / "genie_bundle").exists()

@@ -203,7 +203,7 @@ def test_missing_tensor_and_foreign_config_fail_cleanly(tiny_checkpoint, tmp_pat
     from safetensors.torch import load_file, save_file
 
     from stages.checkpoint import CheckpointError
-    from stages.report import IntegrityError, describe_inputs
+    from stages.report import IntegrityError, describe_inputs, write_report
 
     work = tmp_path
     ckpt = work / "checkpoints" / "tiny"
@@ -220,7 +220,7 @@ def test_missing_tensor_and_foreign_config_fail_cleanly(tiny_checkpoint, tmp_pat
         report = json.loads((ckpt / "report.json").read_text())
         files = [p for p in ckpt.iterdir() if p.name != "report.json"]
         report["outputs"] = describe_inputs(files, ckpt)
-        (ckpt / "report.json").write_text(json.dumps(report))
+        write_report(ckpt, report)
 
     rerecord()
     _failing_export(work, {}, "layers.3.mlp.up_proj.weight")

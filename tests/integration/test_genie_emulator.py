@@ -12,10 +12,11 @@ import pytest
 
 from stages.compile import run_compile
 from stages.config import load_config
+from stages.report import IntegrityError, write_report
 from stages.runtimes.genie.bundle import run_bundle
 from stages.runtimes.genie.emulator import EmulatorError, GenieEmulator
 from stages.runtimes.genie.verify import VerifyError, run_verify
-from tests.conftest import copy_workdir
+from tests.conftest import copy_workdir, rewrite_report
 
 pytestmark = pytest.mark.slow
 PROMPT = "Return the first element of a list."
@@ -74,7 +75,7 @@ def _resign(bundle: Path) -> None:
     for f in report["outputs"]:
         data = (bundle / f["path"]).read_bytes()
         f.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    (bundle / "report.json").write_text(json.dumps(report, indent=2))
+    rewrite_report(bundle.parent, bundle, report)
 
 
 def _edit_genie_config(work: Path, edit) -> None:
@@ -92,7 +93,7 @@ def _edit_compiled_io(work: Path, edit) -> None:
     for b in report["figures"]["binaries"]:
         for g in b["graphs"]:
             edit(g["name"], g["io"])
-    path.write_text(json.dumps(report, indent=2))
+    rewrite_report(work, path.parent, report)
 
 
 def _verify(work: Path) -> dict:
@@ -228,3 +229,57 @@ def test_the_emulator_alone_refuses_cache_group_mistakes(mutable):
         _edit_genie_config(work, edit)
         with pytest.raises(EmulatorError, match=cause):
             GenieEmulator(work / "genie_bundle", compiled, "cpu", work / "quantized")
+
+
+# ---- the reports the stages hand on ----
+def test_each_stage_records_the_reports_it_reads(bundled, verified):
+    def inputs(folder: str) -> set[str]:
+        return {f["path"] for f in json.loads((bundled / folder / "report.json").read_text())["inputs"]}
+
+    assert "exported/report.json" in inputs("quantized")
+    assert "quantized/report.json" in inputs("compiled")
+    assert {"compiled/report.json", "exported/report.json"} <= inputs("genie_bundle")
+    assert "genie_bundle/report.json" in inputs("verify")
+
+
+def _lower_measured_top1(work: Path) -> dict:
+    """quantized/report.json with its measured top-1 lowered (verify's floor once followed it)."""
+    report = json.loads((work / "quantized" / "report.json").read_text())
+    report["figures"]["quality"]["float16"]["top1_agreement"] = 0.1
+    return report
+
+
+def test_an_edited_quantize_report_is_refused_by_name(mutable):
+    """Edited by hand: compile (which reads it), bundle and verify (which check compile's record of it)
+    refuse it by name and name `make quantize`."""
+    path = mutable / "quantized" / "report.json"
+    path.write_text(json.dumps(_lower_measured_top1(mutable), indent=2))
+    cfg, ckpt = load_config("tiny"), mutable / "checkpoints" / "tiny"
+    stages = (
+        lambda: run_compile(cfg, mutable),
+        lambda: run_bundle(cfg, mutable, ckpt),
+        lambda: _verify(mutable),
+    )
+    for stage in stages:
+        with pytest.raises(IntegrityError) as e:
+            stage()
+        assert str(e.value) == (
+            f"{path} changed after quantize wrote it (its report_sha256 does not match its content); "
+            "run `make quantize` again"
+        )
+    # Sealed, as a quantize run again would leave it: not the report compile read, which compile
+    # recorded, so bundle and verify send to `make compile`.
+    write_report(path.parent, _lower_measured_top1(mutable))
+    for stage in (lambda: run_bundle(cfg, mutable, ckpt), lambda: _verify(mutable)):
+        with pytest.raises(IntegrityError, match="quantized/report.json is not the one compile read"):
+            stage()
+    assert (mutable / "genie_bundle" / "report.json").is_file()  # nothing was replaced
+
+
+def test_verify_floor_does_not_follow_the_quantize_report(mutable):
+    """A work folder whose every record agrees with a quantize report claiming top-1 0.1: verify's
+    floor against transformers stays the preset's (min_top1_agreement_w8 0.95 less 0.05)."""
+    rewrite_report(mutable, mutable / "quantized", _lower_measured_top1(mutable))
+    fig = _verify(mutable)["figures"]
+    assert fig["thresholds"]["min_top1_agreement_with_transformers"] == 0.9
+    assert fig["thresholds"]["with_transformers_from"] == "min_top1_agreement_w8 0.95 less 0.05"

@@ -60,6 +60,9 @@ def test_none_overrides_keep_the_preset_value():
         ({"max_context": "lots"}, "max_context", "integer"),
         ({"model": "not a repo"}, "model", "tiny, e2b-random"),
         ({"colour": "blue"}, "colour", "allowed fields"),
+        ({"min_top1_agreement_w8": "1.5"}, "min_top1_agreement_w8", "0..1"),
+        ({"max_kl_divergence_w4": "0"}, "max_kl_divergence_w4", "> 0"),
+        ({"max_kl_divergence_w8": "lots"}, "max_kl_divergence_w8", "a number"),
     ],
 )
 def test_invalid_values_name_the_field_and_allowed_values(overrides, field, allowed):
@@ -168,3 +171,63 @@ def test_calibration_twin_bounds():
         cfg.with_overrides(calibration_ar=2048)
     with pytest.raises(ConfigError, match="calibration_tokens"):
         cfg.with_overrides(calibration_tokens=64)
+
+
+def test_quality_floors_are_quantize_fields_picked_by_weight_bits():
+    assert {
+        "min_top1_agreement_w8",
+        "max_kl_divergence_w8",
+        "min_top1_agreement_w4",
+        "max_kl_divergence_w4",
+    } <= set(stage_fields("quantize"))
+    cfg = load_config("tiny", {"max_kl_divergence_w4": "0.2"})  # a string, as from the environment
+    assert cfg.max_kl_divergence_w4 == 0.2
+    assert cfg.quality_floor.top1_field == "min_top1_agreement_w8"  # tiny builds w8a16
+    w4 = cfg.with_overrides(precision="w4a16").quality_floor
+    assert (w4.min_top1, w4.max_kl, w4.kl_field) == (0.75, 0.2, "max_kl_divergence_w4")
+
+
+# Held-out figures (top-1 agreement, KL divergence) measured by the quantize stage on the trained tiny
+# model: each precision the project builds or has measured, and one decoder weight's scales corrupted
+# (times 4, or zeroed) after quantization. The tiny preset's comment gives the same numbers.
+TINY_MEASURED = {
+    "w8a16": ("w8a16", 0.9843, 0.00069),
+    "w4a16": ("w4a16", 0.8307, 0.07597),
+    "w4a16, max-abs scales": ("w4a16", 0.825, 0.111),
+    "w4a16-lpbq": ("w4a16", 0.827, 0.098),
+}
+TINY_BROKEN = {
+    "w8a16, MLP down projection scales x4": ("w8a16", 0.8839, 0.05743),
+    "w8a16, K projection scales x4": ("w8a16", 0.7992, 0.15824),
+    "w8a16, MLP down projection zeroed": ("w8a16", 0.5512, 0.75269),
+    "w4a16, K projection scales x4": ("w4a16", 0.7402, 0.22498),
+    "w4a16, MLP down projection zeroed": ("w4a16", 0.5276, 0.79877),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TINY_MEASURED))
+def test_the_tiny_floors_admit_every_measured_precision(case):
+    from stages.quality import below_floor
+
+    precision, top1, kl = TINY_MEASURED[case]
+    cfg = load_config("tiny", {"precision": precision})
+    assert below_floor(cfg, {"top1_agreement": top1, "kl_divergence": kl, "tokens": 508}) is None
+
+
+@pytest.mark.parametrize("case", sorted(TINY_BROKEN))
+def test_the_tiny_floors_stop_a_broken_quantization(case):
+    from stages.quality import below_floor
+
+    precision, top1, kl = TINY_BROKEN[case]
+    cfg = load_config("tiny", {"precision": precision})
+    line = below_floor(cfg, {"top1_agreement": top1, "kl_divergence": kl, "tokens": 508})
+    assert line is not None and "\n" not in line
+    assert f"max_kl_divergence_{precision[:2]}" in line  # KL is the sharper of the two figures
+
+
+def test_the_default_floors_stop_a_collapse():
+    from stages.quality import below_floor
+
+    for precision in ("w8a16", "w4a16"):
+        cfg = load_config("default", {"precision": precision})
+        assert below_floor(cfg, {"top1_agreement": 0.5276, "kl_divergence": 0.79877, "tokens": 508})

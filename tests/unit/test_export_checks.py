@@ -10,13 +10,14 @@ from stages.builtin_models import gemma4_config
 from stages.config import load_config
 from stages.export import ExportError, run_export
 from stages.geometry import E2B_TEXT_CONFIG
+from stages.report import write_report
 
 
 def test_a_part_over_the_context_limit_is_refused(tmp_path):
     ckpt = tmp_path / "checkpoints" / "gemma-4-e2b-it"
     ckpt.mkdir(parents=True)
     (ckpt / "config.json").write_text(json.dumps(gemma4_config(E2B_TEXT_CONFIG)))
-    (ckpt / "report.json").write_text("{}")
+    write_report(ckpt, {})  # a finished download of this config alone
     cfg = load_config("default", {"num_shards": 1, "precision": "w8a16"})
     with pytest.raises(ExportError, match="over SM8450's per-context limit of 2097152 KB .*num_shards >= 2"):
         run_export(cfg, tmp_path, ckpt)

@@ -7,6 +7,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 
 import pytest
 
@@ -110,6 +111,75 @@ def test_a_folder_without_a_report_asks_for_its_stage(tmp_path):
     (tmp_path / "quantized").mkdir()
     with pytest.raises(IntegrityError, match="holds no finished quantize stage.*`make quantize` first"):
         check_inputs(tmp_path, [tmp_path / "quantized"])
+
+
+# ---- the reports themselves ----
+def _quantize_then_compile(workdir, top1=0.984):
+    """A quantize stage with its quality figures, and a compile stage that read its report."""
+    quantized = workdir / rp.STAGE_DIRS["quantize"]
+    with stage_output("quantize", quantized, [], {}, root=workdir) as run:
+        (run.dir / "g.qdq.onnx").write_bytes(b"q" * 20)
+        run.figures["quality"] = {"float16": {"top1_agreement": top1, "kl_divergence": 0.0007}}
+    compiled = workdir / rp.STAGE_DIRS["compile"]
+    with stage_output("compile", compiled, [quantized / "report.json"], {}, root=workdir) as run:
+        (run.dir / "g.bin").write_bytes(b"b" * 20)
+    stamps = workdir / ".g4v69"
+    stamps.mkdir(exist_ok=True)
+    for name in ("quantize-q.json", "compile-c.json"):
+        (stamps / name).write_text("{}")
+    return quantized, compiled
+
+
+def _edit_top1(folder, top1):
+    report = json.loads((folder / "report.json").read_text())
+    report["figures"]["quality"]["float16"]["top1_agreement"] = top1
+    (folder / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return report
+
+
+def test_a_report_edited_by_hand_is_refused_by_name(tmp_path):
+    quantized, compiled = _quantize_then_compile(tmp_path)
+    report = read_report(quantized)
+    assert report[rp.REPORT_SEAL] == rp.report_seal(report)
+    # The compile stage recorded the quantize report it read, with its sha256.
+    assert [f["path"] for f in read_report(compiled)["inputs"]] == ["quantized/report.json"]
+    check_inputs(tmp_path, [quantized])
+    _edit_top1(quantized, 0.1)  # a floor read from it would have moved
+    for paths in ([quantized], [quantized / "report.json"], [compiled]):
+        with pytest.raises(IntegrityError) as e:
+            check_inputs(tmp_path, paths)
+        line = str(e.value)
+        assert line == (
+            f"{quantized / 'report.json'} changed after quantize wrote it (its report_sha256 does not "
+            "match its content); run `make quantize` again"
+        )
+    assert sorted(p.name for p in (tmp_path / ".g4v69").iterdir()) == ["compile-c.json"]
+    # A report without a seal (an older g4v69's, or one rewritten without it) is refused as well.
+    report.pop(rp.REPORT_SEAL)
+    (quantized / "report.json").write_text(json.dumps(report))
+    with pytest.raises(IntegrityError, match="report.json has no report_sha256 .*run `make quantize` again"):
+        check_inputs(tmp_path, [quantized])
+
+
+def test_a_report_a_later_stage_read_is_checked_against_its_record(tmp_path):
+    quantized, compiled = _quantize_then_compile(tmp_path)
+    check_inputs(tmp_path, [compiled / "report.json"])
+    # quantize made again (a whole, sealed report, with other figures) after compile read the first:
+    # compile is stale, and a stage reading both says so.
+    with stage_output("quantize", quantized, [], {}, root=tmp_path) as run:
+        (run.dir / "g.qdq.onnx").write_bytes(b"q" * 20)
+        run.figures["quality"] = {"float16": {"top1_agreement": 0.5, "kl_divergence": 0.5}}
+    check_inputs(tmp_path, [quantized])
+    with pytest.raises(IntegrityError) as e:
+        check_inputs(tmp_path, [compiled])
+    assert str(e.value) == (
+        f"{quantized / 'report.json'} is not the one compile read (its sha256 differs from the record in "
+        f"{compiled / 'report.json'}): quantize ran again since; run `make compile` again"
+    )
+    assert sorted(p.name for p in (tmp_path / ".g4v69").iterdir()) == ["quantize-q.json"]
+    # A stage that does not read quantized/ is not stopped by its absence.
+    shutil.rmtree(quantized)
+    check_inputs(tmp_path, [compiled])
 
 
 # ---- per-config stamps ----
@@ -264,14 +334,54 @@ def test_a_finished_stage_is_stamped_dated_like_its_report(g4v69, tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= recorded
 
 
-def test_verify_floor_against_transformers_follows_measured_quantization():
-    from stages.runtimes.genie.verify import float_reference_floor
+def test_verify_floor_against_transformers_is_the_presets_floor_less_the_margin():
+    from stages.runtimes.genie.verify import Thresholds, transformers_floor
 
-    report = {"figures": {"quality": {"float16": {"top1_agreement": 0.831}}}}
-    assert float_reference_floor(0.9, report, "float16") == 0.781
-    # A precision that measured better than the threshold keeps the threshold.
-    good = {"figures": {"quality": {"float16": {"top1_agreement": 0.984}}}}
-    assert float_reference_floor(0.9, good, "float16") == 0.9
-    # No measurement (another PLE policy, or no report): the threshold.
-    assert float_reference_floor(0.9, report, "int8") == 0.9
-    assert float_reference_floor(0.9, None, "float16") == 0.9
+    tiny = load_config("tiny")
+    assert transformers_floor(tiny) == 0.9  # min_top1_agreement_w8 0.95
+    assert transformers_floor(tiny.with_overrides(precision="w4a16")) == 0.7  # min_top1_agreement_w4 0.75
+    assert transformers_floor(load_config("default")) == 0.55
+    assert transformers_floor(tiny.with_overrides(min_top1_agreement_w8=0.99)) == 0.94
+    assert Thresholds().top1_with_transformers(tiny) == 0.9
+    assert Thresholds.with_overrides(min_top1=0.5).top1_with_transformers(tiny) == 0.5
+
+
+def _measured(**figures):
+    return {
+        "matching_prefix": 32,
+        "generated": 32,
+        "top1_prompt": 1.0,
+        "top1_heldout": 1.0,
+        "top1_own_graphs": 1.0,
+        **figures,
+    }
+
+
+def test_verify_min_top1_never_loosens_the_bundle_against_its_own_graphs():
+    from stages.runtimes.genie.verify import OWN_GRAPHS_MIN_TOP1, Thresholds
+
+    tiny = load_config("tiny")
+    binaries_off = _measured(top1_own_graphs=0.5)
+    for thresholds in (
+        Thresholds(),
+        Thresholds.with_overrides(min_top1=0),
+        Thresholds.with_overrides(0, 0.1),
+    ):
+        (line,) = thresholds.shortfalls(tiny, binaries_off)
+        assert f"the bundle's quantized graphs on the host 0.500, 0.400 below {OWN_GRAPHS_MIN_TOP1}" in line
+        assert "VERIFY_MIN_TOP1" not in line and "fixed" in line
+    # It does set the floor against transformers, both ways.
+    assert Thresholds.with_overrides(min_top1=0).shortfalls(tiny, _measured(top1_prompt=0.2)) == []
+    (line,) = Thresholds.with_overrides(min_top1=0.99).shortfalls(tiny, _measured(top1_heldout=0.95))
+    assert "held-out text with transformers 0.950, 0.040 below 0.99 (VERIFY_MIN_TOP1)" in line
+
+
+def test_verify_names_the_presets_floor_it_fell_below():
+    from stages.runtimes.genie.verify import Thresholds
+
+    w4 = load_config("tiny", {"precision": "w4a16"})
+    assert Thresholds().shortfalls(w4, _measured(top1_prompt=0.72, top1_heldout=0.71)) == []
+    (line,) = Thresholds().shortfalls(w4, _measured(top1_heldout=0.65))
+    assert line.endswith("0.650, 0.050 below 0.7 (min_top1_agreement_w4 0.75 less 0.05)")
+    (line,) = Thresholds().shortfalls(w4, _measured(matching_prefix=3, generated=5))
+    assert "match transformers for 3, 2 short of 5 (VERIFY_MIN_PREFIX)" in line

@@ -413,7 +413,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     if export_report is None:
         raise BundleError(f"{export_dir} holds no finished export; run `make export` first")
     luts = [export_dir / v["path"] for v in export_report["figures"]["luts"].values()]
-    check_inputs(workdir, [compiled_dir, checkpoint_dir, *luts], cfg)
+    check_inputs(workdir, [compiled_dir, export_dir / REPORT_NAME, checkpoint_dir, *luts], cfg)
     context = render_context(cfg, checkpoint_dir, export_report, compiled)
     genie = render("genie_config.json.j2", context)
     htp_ext = render("htp_backend_ext_config.json.j2", context)
