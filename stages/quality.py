@@ -98,6 +98,7 @@ then teacher-forced decode steps). Calibration: {_calibration(figures["calibrati
 <h2>Precisions (weight schemes; PLE {html.escape(figures["ple_policy"])})</h2>
 <table><tr><th>precision</th>{"".join(f"<th>{c}</th>" for c in QUALITY_COLUMNS)}<th>min SQNR (dB)</th></tr>
 {precision_rows}</table>
+{_weights_section(figures.get("weights") or {})}
 <h2>Per-layer error (SQNR of each owner layer's new K/V entries, prefill graphs)</h2>
 {_bars("KV cache outputs", per_layer, "dB")}
 <h2>Per-part outputs (SQNR)</h2>
@@ -105,6 +106,25 @@ then teacher-forced decode steps). Calibration: {_calibration(figures["calibrati
 </body></html>
 """
     path.write_text(doc, encoding="utf-8")
+
+
+def _weights_section(weights: dict[str, Any]) -> str:
+    """The 4-bit weights: how they were rounded, which a mixed precision kept at int8, and each one's
+    output SQNR at 4 bits (what the choice ranks), worst first."""
+    if not weights.get("weights"):
+        return ""
+    chosen = set(weights.get("int8_weights", []))
+    sqnr = {
+        f"{name}{' (int8)' if name in chosen else ''}": -10 * np.log10(max(w["nsr_int4"], 1e-12))
+        for name, w in sorted(weights["weights"].items(), key=lambda kv: -kv[1]["nsr_int4"])
+    }
+    return (
+        f"<h2>4-bit weights: {html.escape(str(weights.get('rounding')))} rounding, "
+        f"{len(chosen)} kept at int8 ({100 * weights.get('int8_share', 0):.0f} % of decoder parameters)</h2>"
+        "<p>Each weight's MatMul output SQNR at 4 bits on the calibration inputs "
+        "(||XW||&sup2; / ||X(W-Wq)||&sup2;, dB), lowest first; a mixed precision keeps the weights that "
+        "lose the most per extra byte at int8.</p>" + _bars("4-bit output SQNR", sqnr, "dB")
+    )
 
 
 # ---- metrics ----

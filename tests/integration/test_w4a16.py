@@ -104,6 +104,8 @@ def test_mixed_precision_keeps_the_chosen_weights_int8_and_gptq_beats_nearest(tm
                 seen.add(w["weight"])
                 assert w["type"] == ("int8" if w["weight"] in chosen else "int4"), w
     assert chosen <= seen
+    page = (tmp_path / "quantized" / "quality.html").read_text()
+    assert f"{len(chosen)} kept at int8" in page and page.count(" (int8)</text>") == len(chosen)
     gptq = fig["quality"]["float16"]
     nearest = run_quantize(
         load_config("tiny", {"precision": "w4a16-mixed", "int8_percent": "50", "weight_rounding": "nearest"}),
