@@ -486,6 +486,7 @@ class WeightRounder:
     def __init__(self, cfg: PipelineConfig, hessians: dict[str, Hessian] | None):
         self.cfg = cfg
         self.hessians = hessians or {}
+        self.rounding = cfg.weight_rounding if self.hessians else "nearest"
         self.rounded: dict[str, RoundedWeight] = {}
         self.int8_weights: frozenset[str] = frozenset()
 
@@ -501,6 +502,7 @@ class WeightRounder:
                     if name not in self.rounded:
                         self.round_weight(name, weights.pop(name))
                 del weights
+        self.hessians = {}  # E2B's take ~4 GB; every weight that needs one is rounded now
         share = self.cfg.decoder_scheme.int8_share
         if share:
             self.int8_weights = self.choose_int8(share)
@@ -548,7 +550,7 @@ class WeightRounder:
 
     def figures(self) -> dict[str, Any]:
         return {
-            "rounding": self.cfg.weight_rounding if self.hessians else "nearest",
+            "rounding": self.rounding,
             "int8_weights": sorted(self.int8_weights),
             "int8_share": round(
                 sum(self.rounded[n].params for n in self.int8_weights)
@@ -1456,8 +1458,8 @@ def quantize_graphs(
                         chain, samples[:HESSIAN_SAMPLES], watched, Path(tmp) / "hessians"
                     )
                 rounder = WeightRounder(cfg, hessians)
+                del hessians  # round_all drops them when done
                 rounder.round_all([src for _, src in runner.graphs[role]])
-                del hessians
                 rounding_s = time.perf_counter() - t0
             if collector is not None:
                 ranges = collector.ranges()
