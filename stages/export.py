@@ -31,6 +31,7 @@ from stages.geometry import Geometry
 from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
 from stages.runner import LutSpec
+from stages.runtimes import get_runtime
 
 OPSET = 23
 # Graphs whose weights exceed this keep them in a side file (ONNX protobufs stop at 2 GiB).
@@ -172,6 +173,9 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     check_inputs(workdir, [checkpoint_dir], cfg)
     ckpt = Checkpoint(checkpoint_dir)
     geo = ckpt.geometry
+    refused = get_runtime().layout_problems(cfg, geo)
+    if refused:
+        raise ExportError(refused[0])
     try:
         parts = part_layers(geo, cfg)
         specs = graph_specs(geo, cfg, parts, calibration=True)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from stages.config import PRECISIONS, PipelineConfig
 from stages.contract import GENIE_LUT_LIMIT_BYTES
 from stages.geometry import EMBEDDING, FULL, LINEAR, NORM, PLE, Geometry, Tensor
-from stages.graphs import binary_layout, graph_kinds, graph_name, part_name, partition_layers
+from stages.graphs import binary_layout, graph_kinds, graph_name, part_name, partition_layers, past_len
 from stages.precision import INT8_CHANNEL, INT16_CHANNEL, WeightScheme
 
 GIB = 1 << 30
@@ -186,13 +186,6 @@ def part_layers(geo: Geometry, cfg: PipelineConfig) -> list[range]:
     return partition_layers(layer_bytes, cfg.num_shards, tensor_bytes(head, cfg), tensor_bytes(tail, cfg))
 
 
-def _past_len(geo: Geometry, attention: str, cfg: PipelineConfig, ar: int) -> int:
-    """KV entries a graph reads from its cache inputs (the contract's kv_len)."""
-    if attention == FULL:
-        return cfg.max_context - ar
-    return min(geo.sliding_window, cfg.max_context - ar)
-
-
 def graph_allocation(
     geo: Geometry, cfg: PipelineConfig, layers: range, last: bool, ar: int, weights: int
 ) -> Allocation:
@@ -218,18 +211,18 @@ def graph_allocation(
         layer = geo.layers[li]
         per_token = 2 * geo.num_kv_heads * layer.head_dim * kv
         if layer.owns_kv:
-            io += per_token * (_past_len(geo, layer.attention, cfg, ar) + ar)
+            io += per_token * (past_len(geo, layer.attention, cfg, ar) + ar)
         elif layer.kv_donor not in layers:
             donors_from_outside.add(layer.kv_donor)
     for d in donors_from_outside:
         donor = geo.layers[d]
-        io += 2 * geo.num_kv_heads * donor.head_dim * kv * (_past_len(geo, donor.attention, cfg, ar) + ar)
+        io += 2 * geo.num_kv_heads * donor.head_dim * kv * (past_len(geo, donor.attention, cfg, ar) + ar)
     if last:
         io += ar * geo.vocab_size * act
     widest = 0
     for li in layers:
         layer = geo.layers[li]
-        span = _past_len(geo, layer.attention, cfg, ar) + ar
+        span = past_len(geo, layer.attention, cfg, ar) + ar
         attention = (
             ar * geo.num_attention_heads * layer.head_dim * act
             + 2 * geo.num_attention_heads * ar * span * act

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from stages.config import PipelineConfig
+    from stages.geometry import Geometry
 
 # name -> the package under stages/runtimes/ whose RUNTIME implements it (imported on first use).
 RUNTIMES: dict[str, str] = {"genie": "stages.runtimes.genie"}
@@ -28,6 +29,11 @@ class RuntimeFailure(ValueError):
 @runtime_checkable
 class Runtime(Protocol):
     name: str
+
+    def layout_problems(self, cfg: PipelineConfig, geo: Geometry) -> list[str]:
+        """What this runtime cannot run in the config's layout for a model of this geometry, one line
+        each: `make plan` and the export stage refuse it before anything is built."""
+        ...
 
     def package(self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
         """The bundle stage: the compiled binaries and what the runtime needs beside them; its report."""

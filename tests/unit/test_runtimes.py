@@ -16,7 +16,7 @@ def test_each_runtime_implements_the_interface(name):
     assert isinstance(runtime, Runtime) and runtime.name == name
     # Its package lives under stages/runtimes/<name>/, where a newcomer looks for it.
     assert importlib.import_module(RUNTIMES[name]).__name__ == f"stages.runtimes.{name}"
-    for method in ("package", "check", "push", "run"):
+    for method in ("layout_problems", "package", "check", "push", "run"):
         want = list(inspect.signature(getattr(Runtime, method)).parameters)[1:]
         assert list(inspect.signature(getattr(runtime, method)).parameters) == want, method
 
@@ -53,3 +53,36 @@ def test_genie_errors_reach_the_user_as_one_line(tmp_path):
     # No compile output: Genie's packaging says which stage to run, without a traceback.
     r = CliRunner().invoke(main, ["--preset", "tiny", "--workdir", str(tmp_path), "bundle"])
     assert r.exit_code != 0 and "Traceback" not in r.output and "make compile" in r.output
+
+
+def test_genie_refuses_a_step_wider_than_the_sliding_window_before_export(tmp_path):
+    """qualla's SlidingWindow::processUpdate pops an empty recency queue when one call overflows the
+    window of an empty cache: refused by `make plan` and at the start of export, with the emulator's
+    own words, instead of by verify after everything was built."""
+    from click.testing import CliRunner
+
+    from stages.cli import main
+    from stages.config import load_config
+    from stages.download import run_download
+    from stages.export import ExportError, run_export
+    from stages.geometry import builtin_geometry
+    from stages.runtimes.genie.rules import window_overflow
+
+    genie, tiny = get_runtime("genie"), builtin_geometry("tiny")
+    assert genie.layout_problems(load_config("tiny"), tiny) == []  # AR-8 in a window of 8
+    wide = load_config("tiny", {"prefill_ar": 16})
+    reason = window_overflow("swa", 16, 8, 0)
+    assert genie.layout_problems(wide, tiny) == [reason]
+    assert genie.layout_problems(load_config(), builtin_geometry("e2b-random")) == []  # AR-1, window 512
+    assert (
+        genie.layout_problems(load_config(overrides={"prefill_ar": 128}), builtin_geometry("e2b-random"))
+        == []
+    )
+    r = CliRunner().invoke(main, ["--preset", "tiny", "--prefill-ar", "16", "plan"])
+    assert r.exit_code == 2 and r.output.strip().splitlines()[-1] == f"Error: {reason}"
+    ckpt = tmp_path / "checkpoints" / "tiny"
+    run_download("tiny", "main", ckpt)
+    with pytest.raises(ExportError) as e:
+        run_export(wide, tmp_path, ckpt)
+    assert str(e.value) == reason
+    assert not (tmp_path / "exported").exists()

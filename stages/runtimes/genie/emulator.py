@@ -69,6 +69,7 @@ from stages.contract import GENIE_LUT_SECTION, INPUTS_EMBEDS, LOGITS, LUT_INPUTS
 from stages.encoding import Encoding, feed, feed_mode
 from stages.geometry import FULL
 from stages.quiet import native_stdout_without
+from stages.runtimes.genie.rules import window_overflow
 
 ENGINES = ("htp", "cpu")
 GENIE_SOURCE = "Genie public source, qualla/"
@@ -382,12 +383,7 @@ class CacheGroup:
             self.activated = True
             self.recent = deque(range(self.n_valid))
         if n_evict > len(self.recent):
-            raise EmulatorError(
-                f"cache group {self.prefix!r}: a step of {n_update} tokens overflows its {budget}-slot "
-                f"window by more than the {len(self.recent)} entries it can evict (Genie's "
-                "SlidingWindow::processUpdate "
-                "pops an empty recency queue): use a prefill AR no larger than the window"
-            )
+            raise EmulatorError(window_overflow(self.prefix, n_update, budget, len(self.recent)))
         dst = list(range(self.n_valid, self.n_valid + n_empty))
         dst += [self.recent.popleft() for _ in range(n_evict)]
         if self.activated:
