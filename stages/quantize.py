@@ -55,6 +55,7 @@ from stages.pipeline import output_dir
 from stages.precision import INT8_CHANNEL, LPBQ_BLOCK_SCALE_MAX
 from stages.quality import EVAL_SAMPLES, SQNR_TOKENS, compare_chains, output_sqnr, write_quality_html
 from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
+from stages.sensitivity import sensitivity_samples
 
 # Ops that move or regroup values without changing them: a tensor and its image share an encoding.
 ENCODING_PRESERVING = {"Concat", "Slice", "Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze"}
@@ -477,11 +478,19 @@ class RoundedWeight:
     params: int
     nsr_int4: float  # output noise-to-signal of the 4-bit weight on the calibration inputs
     nsr_int8: float  # the same for the int8 weight a mixed precision would keep instead
+    kl_int4: float | None = None  # measured: next-token KL with this weight alone at 4 bits
+
+    def dequantized(self) -> np.ndarray:
+        if self.block_scales is None:
+            return self.q * self.scale
+        block = self.q.shape[0] // self.block_scales.shape[0]
+        return self.q * np.repeat(self.block_scales * self.scale, block, axis=0)
 
 
 class WeightRounder:
     """Every 4-bit weight of the precision rounded once (GPTQ with `hessians`, else the clipping
-    search alone), each with how much output error its 4 bits add: what the mixed precision ranks."""
+    search alone), each with its MatMul's own output error at 4 and 8 bits and, where measured, the
+    model's next-token KL with it alone at 4 bits: what the mixed precision ranks."""
 
     def __init__(self, cfg: PipelineConfig, hessians: dict[str, Hessian] | None):
         self.cfg = cfg
@@ -503,9 +512,15 @@ class WeightRounder:
                         self.round_weight(name, weights.pop(name))
                 del weights
         self.hessians = {}  # E2B's take ~4 GB; every weight that needs one is rounded now
-        share = self.cfg.decoder_scheme.int8_share
-        if share:
-            self.int8_weights = self.choose_int8(share)
+
+    def measure(self, runner, samples: list[list[int]], scratch: Path) -> None:
+        """Each decoder weight's measured cost at 4 bits (`stages.sensitivity`), on the runner's
+        prefill graphs: what the mixed precision ranks by."""
+        from stages.sensitivity import measure
+
+        decoder = {n: r.dequantized for n, r in self.rounded.items() if weight_role(n) == "decoder"}
+        for name, kl in measure(runner, decoder, samples, scratch).items():
+            self.rounded[name].kl_int4 = kl
 
     def round_weight(self, name: str, w: np.ndarray) -> RoundedWeight:
         """One (in, out) weight rounded to its 4-bit scheme, with the output error of 4 and 8 bits."""
@@ -536,11 +551,16 @@ class WeightRounder:
         return self.rounded[name]
 
     def choose_int8(self, share: float) -> frozenset[str]:
-        """The decoder weights kept at int8: most output error removed per extra byte first, while
-        their parameters stay within `share` of the decoder's (the precision's memory price)."""
+        """The decoder weights kept at int8: the most measured cost (next-token KL at 4 bits; where
+        not measured, the MatMul's own output error) removed per extra byte first, while their
+        parameters stay within `share` of the decoder's (the precision's memory price)."""
         decoder = {n: r for n, r in self.rounded.items() if weight_role(n) == "decoder"}
         budget = share * sum(r.params for r in decoder.values())
-        gain = lambda n: (decoder[n].nsr_int4 - decoder[n].nsr_int8) / decoder[n].params  # noqa: E731
+
+        def gain(n: str) -> float:
+            r = decoder[n]
+            return (r.kl_int4 if r.kl_int4 is not None else r.nsr_int4 - r.nsr_int8) / r.params
+
         chosen, used = [], 0
         for name in sorted(decoder, key=lambda n: (-gain(n), n)):
             if used + decoder[name].params <= budget:
@@ -557,8 +577,16 @@ class WeightRounder:
                 / max(1, sum(r.params for n, r in self.rounded.items() if weight_role(n) == "decoder")),
                 4,
             ),
+            "sensitivity": "measured"
+            if any(r.kl_int4 is not None for r in self.rounded.values())
+            else "local",
             "weights": {
-                n: {"nsr_int4": round(r.nsr_int4, 6), "nsr_int8": round(r.nsr_int8, 8), "params": r.params}
+                n: {
+                    "nsr_int4": round(r.nsr_int4, 6),
+                    "nsr_int8": round(r.nsr_int8, 8),
+                    "params": r.params,
+                    **({"kl_int4": round(r.kl_int4, 6)} if r.kl_int4 is not None else {}),
+                }
                 for n, r in sorted(self.rounded.items())
             },
         }
@@ -1460,6 +1488,10 @@ def quantize_graphs(
                 rounder = WeightRounder(cfg, hessians)
                 del hessians  # round_all drops them when done
                 rounder.round_all([src for _, src in runner.graphs[role]])
+                share = cfg.decoder_scheme.int8_share
+                if share:
+                    rounder.measure(chain, sensitivity_samples(samples), Path(tmp) / "sensitivity")
+                    rounder.int8_weights = rounder.choose_int8(share)
                 rounding_s = time.perf_counter() - t0
             if collector is not None:
                 ranges = collector.ranges()

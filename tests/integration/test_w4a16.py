@@ -99,7 +99,9 @@ def test_mixed_precision_keeps_the_chosen_weights_int8_and_gptq_beats_nearest(tm
     chosen = set(fig["weights"]["int8_weights"])
     decoder = {n: w["params"] for n, w in fig["weights"]["weights"].items() if weight_role(n) == "decoder"}
     assert chosen and chosen < set(decoder)
-    assert fig["weights"]["rounding"] == "gptq"
+    assert fig["weights"]["rounding"] == "gptq" and fig["weights"]["sensitivity"] == "measured"
+    costs = {n: fig["weights"]["weights"][n]["kl_int4"] for n in decoder}
+    assert all(c >= 0 for c in costs.values()) and sum(costs.values()) > 0
     assert sum(decoder[n] for n in chosen) <= 0.5 * sum(decoder.values())
     assert fig["weights"]["int8_share"] == round(sum(decoder[n] for n in chosen) / sum(decoder.values()), 4)
     seen = set()

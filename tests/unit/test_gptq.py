@@ -101,6 +101,23 @@ def test_the_mixed_share_keeps_the_most_error_per_byte_at_int8_within_its_parame
     assert expected_scheme(rounder.cfg, "layers.0.mlp.down_proj.weight", chosen).bits == 4
 
 
+def test_measured_costs_outrank_the_local_error_and_kl_is_kl():
+    from stages.sensitivity import mean_kl, sensitivity_samples
+
+    rounder = _rounder("20")
+    # Measured end to end, the q projection costs the most per parameter (its local error is low).
+    for name, kl in (("v_proj", 0.0001), ("o_proj", 0.0001), ("q_proj", 0.004), ("down_proj", 0.003)):
+        full = next(n for n in rounder.rounded if name in n)
+        rounder.rounded[full].kl_int4 = kl
+    assert rounder.choose_int8(0.2) == {"layers.0.self_attn.q_proj.weight"}
+    assert rounder.figures()["sensitivity"] == "measured"
+    logits = np.array([[2.0, 0.5, -1.0], [0.0, 0.0, 3.0]])
+    assert mean_kl(logits, logits) == 0.0 and mean_kl(logits, logits + 5.0) == pytest.approx(0.0)
+    p, q = np.exp(logits[0]) / np.exp(logits[0]).sum(), np.array([1 / 3] * 3)
+    assert mean_kl(logits[:1], np.zeros((1, 3))) == pytest.approx(float(np.sum(p * np.log(p / q))))
+    assert sensitivity_samples([[1] * 100, [2] * 100, [3] * 100], 150) == [[1] * 100, [2] * 50]
+
+
 def test_the_int8_share_is_priced_and_refused_where_it_means_nothing():
     mixed = load_config(overrides={"precision": "w4a16-mixed", "int8_percent": "50"})
     assert mixed.decoder_scheme.int8_share == 0.5

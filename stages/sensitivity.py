@@ -1,0 +1,133 @@
+"""Measured sensitivity of the model's output to each weight's 4 bits, for the mixed precision's choice.
+
+A MatMul's own output error (`stages.gptq.output_error`) does not say what the error does downstream:
+on the trained tiny model the first layers' attention projections cost the most next-token KL per
+parameter, which their local error does not single out. So each 4-bit decoder weight is measured end
+to end: the float chain runs a few calibration tokens with that one weight replaced by its rounded
+(dequantized) values, and the mean KL(float || that chain) of the next-token distributions is its
+cost. The costs add up (tiny model: their sum, 0.040, is the all-int4 KL, 0.041), so keeping the
+most cost per byte at int8 is a knapsack the greedy choice solves well.
+
+Each part's graph is loaded once, with the measured weights turned into graph inputs, so a
+measurement is a chain run with one input swapped, not a new session per weight.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Calibration tokens per measurement: one AR-128 call of the calibration twin at E2B (about 4 s of
+# float chain per weight), 16 AR-8 calls on the tiny model.
+SENSITIVITY_TOKENS = 128
+
+
+def sensitivity_samples(samples: list[list[int]], tokens: int = SENSITIVITY_TOKENS) -> list[list[int]]:
+    """The calibration samples' first `tokens` tokens, whole samples first."""
+    out, left = [], tokens
+    for s in samples:
+        if left <= 0:
+            break
+        out.append(s[:left])
+        left -= len(out[-1])
+    return out
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def mean_kl(reference: np.ndarray, other: np.ndarray) -> float:
+    """Mean over rows of KL(softmax(reference) || softmax(other)), in nats."""
+    p, q = _log_softmax(reference), _log_softmax(other)
+    return float(np.mean(np.sum(np.exp(p) * (p - q), axis=-1)))
+
+
+class _WeightFed:
+    """A part's session whose measured weights are inputs: the float values, or an override."""
+
+    def __init__(self, session: Any, weights: dict[str, np.ndarray], overrides: dict[str, np.ndarray]):
+        self.session, self.weights, self.overrides = session, weights, overrides
+
+    def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        mine = {n: self.overrides.get(n, w) for n, w in self.weights.items()}
+        return self.session.run(names, {**feeds, **mine})
+
+
+def _weights_as_inputs(src: Path, names: set[str], folder: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    """A copy of the graph at src whose initializers `names` are graph inputs; and their values."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from stages.graphs import copy_graph
+
+    copy = copy_graph(src, folder)
+    model = onnx.load(str(src))
+    values = {}
+    kept = []
+    for init in model.graph.initializer:
+        if init.name in names:
+            values[init.name] = numpy_helper.to_array(init).astype(np.float32)
+            model.graph.input.append(
+                helper.make_tensor_value_info(init.name, onnx.TensorProto.FLOAT, init.dims)
+            )
+        else:
+            kept.append(init)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    data = copy.with_name(copy.name + ".data")
+    large = data.exists()
+    data.unlink(missing_ok=True)  # onnx appends to an existing external-data file
+    onnx.save(model, str(copy), save_as_external_data=large, location=data.name)
+    return copy, values
+
+
+def measure(runner, dequantized: dict[str, Any], samples: list[list[int]], scratch: Path) -> dict[str, float]:
+    """Each weight's end-to-end cost: mean next-token KL(float || float with that weight replaced by
+    `dequantized[name]()`) over the samples, each through the runner's prefill graphs from an empty
+    cache.
+    `dequantized` maps weight name -> a function returning its rounded float values (made one at a
+    time: E2B's weights as float are 7 GB)."""
+    from tqdm import tqdm
+
+    from stages.runner import session_options
+
+    overrides: dict[str, np.ndarray] = {}
+    options = session_options()
+    owner: dict[str, Path] = {}
+    try:
+        import onnxruntime as ort
+
+        for spec, src in runner.graphs["prefill"]:
+            import onnx
+
+            inits = {i.name for i in onnx.load(str(src), load_external_data=False).graph.initializer}
+            names = set(dequantized) & inits
+            copy, values = _weights_as_inputs(src, names, scratch / spec.name)
+            session = ort.InferenceSession(str(copy), options, providers=["CPUExecutionProvider"])
+            for f in list(copy.parent.iterdir()):  # the session holds what it needs
+                f.unlink()
+            runner.use_session(src, _WeightFed(session, values, overrides))
+            owner.update(dict.fromkeys(names, src))
+
+        def logits() -> np.ndarray:
+            rows = []
+            for tokens in samples:
+                runner.reset()
+                for i in range(0, len(tokens), runner.prefill_ar):
+                    rows.append(runner.step(tokens[i : i + runner.prefill_ar], role="prefill"))
+            return np.concatenate(rows)
+
+        reference = logits()
+        costs = {}
+        for name in tqdm(sorted(owner), desc="measure weight sensitivity", unit="weight", leave=False):
+            overrides[name] = np.asarray(dequantized[name](), dtype=np.float32)
+            costs[name] = mean_kl(reference, logits())
+            overrides.clear()
+        return costs
+    finally:
+        runner.release("prefill")
