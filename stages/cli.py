@@ -597,11 +597,11 @@ def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Pa
                     f"no geometry for model {cfg.model!r}: run `make download MODEL={cfg.model}` "
                     "first or pass --checkpoint-config PATH/config.json"
                 )
+        result = make_plan(geo, cfg)
+        layouts = make_layouts(geo, cfg)
         refused = get_runtime().layout_problems(cfg, geo)
         if refused:
             raise UserError(refused[0])
-        result = make_plan(geo, cfg)
-        layouts = make_layouts(geo, cfg)
     except (GeometryError, PartitionError) as e:
         raise UserError(str(e)) from None
     data = {"config": cfg.to_dict(), **result.to_dict(), "layouts": [asdict(lay) for lay in layouts]}

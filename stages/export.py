@@ -173,14 +173,15 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     check_inputs(workdir, [checkpoint_dir], cfg)
     ckpt = Checkpoint(checkpoint_dir)
     geo = ckpt.geometry
-    refused = get_runtime().layout_problems(cfg, geo)
-    if refused:
-        raise ExportError(refused[0])
     try:
         parts = part_layers(geo, cfg)
         specs = graph_specs(geo, cfg, parts, calibration=True)
     except (PartitionError, ValueError) as e:
         raise ExportError(str(e)) from None
+    # After the graphs' own shape rules (a context too small for the window says so first).
+    refused = get_runtime().layout_problems(cfg, geo)
+    if refused:
+        raise ExportError(refused[0])
     # The parts are cut here, so a part the compiler would refuse is refused before anything is built.
     too_big = over_context_limit(geo, cfg)
     if too_big:
