@@ -83,7 +83,9 @@ class PipelineConfig:
     model_revision: str = field(metadata=_meta("download", "git revision of the model repo (pin a sha)"))
     soc: str = field(metadata=_meta("quantize", "target SoC, a row of the SoC table"))
     # The part split balances weight bytes at the precision (and the PLE policy), so both re-export.
-    precision: str = field(metadata=_meta("export", "quantization scheme: w4a16 (int4 per channel), w8a16"))
+    precision: str = field(
+        metadata=_meta("export", f"quantization scheme (stages/precision.py): {', '.join(PRECISIONS)}")
+    )
     max_context: int = field(metadata=_meta("export", "context length in tokens (KV cache slots)"))
     prefill_ar: int = field(metadata=_meta("export", "tokens per prefill graph call (AR-N)"))
     decode_ar: int = field(metadata=_meta("export", "tokens per decode graph call"))

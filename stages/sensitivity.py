@@ -63,9 +63,8 @@ def _weights_as_inputs(src: Path, names: set[str], folder: Path) -> tuple[Path, 
     import onnx
     from onnx import helper, numpy_helper
 
-    from stages.graphs import copy_graph
-
-    copy = copy_graph(src, folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    copy = folder / src.name
     model = onnx.load(str(src))
     values = {}
     kept = []
@@ -80,8 +79,7 @@ def _weights_as_inputs(src: Path, names: set[str], folder: Path) -> tuple[Path, 
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
     data = copy.with_name(copy.name + ".data")
-    large = data.exists()
-    data.unlink(missing_ok=True)  # onnx appends to an existing external-data file
+    large = src.with_name(src.name + ".data").exists()
     onnx.save(model, str(copy), save_as_external_data=large, location=data.name)
     return copy, values
 
