@@ -30,7 +30,6 @@ import re
 import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from typing import Any
 from stages.aihub import AihubError, compile_aihub
 from stages.config import PipelineConfig, stage_fields
 from stages.contract import CACHE_PREFIX
-from stages.encoding import ONNX_TYPE_NAMES, QdqGraph, shared_tensor_mismatches
+from stages.encoding import IoTensor, QdqGraph, prepare_io, shared_tensor_mismatches
 from stages.graphs import Binary, binary_layout, qdq_file_name
 from stages.pipeline import output_dir
 from stages.quiet import call_without_native_noise
@@ -72,92 +71,6 @@ class CompileError(ValueError):
 
 
 # ---- 1. prepare ----
-@dataclass(frozen=True)
-class IoTensor:
-    """A graph input or output as compiled/report.json records it (read back by encoding.Encoding.of_io)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    scale: float | None = None
-    offset: int | None = None  # Genie's convention: real = (q + offset) * scale, offset = -zero_point
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
-        if self.scale is not None:
-            d.update(scale=self.scale, offset=self.offset)
-        return d
-
-
-def prepare_io(model) -> dict[str, dict[str, IoTensor]]:
-    """Fold boundary QuantizeLinear/DequantizeLinear into the graph's inputs and outputs, in place.
-
-    An input read only by a QuantizeLinear becomes that quantized tensor; an output written by a
-    DequantizeLinear becomes the quantized tensor before it (a DequantizeLinear stays for any node
-    inside the graph that reads the float value). Returns the I/O encodings: {"inputs", "outputs"}.
-    """
-    from onnx import numpy_helper
-
-    g = model.graph
-    inits = {i.name: i for i in g.initializer}
-
-    def scalar(name: str) -> Any:
-        return numpy_helper.to_array(inits[name]).item()
-
-    def consumers(name: str) -> list:
-        return [n for n in g.node if name in n.input]
-
-    def shape(v) -> tuple[int, ...]:
-        return tuple(d.dim_value for d in v.type.tensor_type.shape.dim)
-
-    encodings: dict[str, dict[str, IoTensor]] = {"inputs": {}, "outputs": {}}
-    drop = []
-    for inp in g.input:
-        readers = consumers(inp.name)
-        q = readers[0] if len(readers) == 1 and readers[0].op_type == "QuantizeLinear" else None
-        if q is None or len(q.input) < 3:
-            encodings["inputs"][inp.name] = IoTensor(
-                ONNX_TYPE_NAMES[inp.type.tensor_type.elem_type], shape(inp)
-            )
-            continue
-        zp = inits[q.input[2]]
-        inp.type.tensor_type.elem_type = zp.data_type
-        for n in consumers(q.output[0]):
-            n.input[:] = [inp.name if i == q.output[0] else i for i in n.input]
-        drop.append(q)
-        encodings["inputs"][inp.name] = IoTensor(
-            ONNX_TYPE_NAMES[zp.data_type], shape(inp), scalar(q.input[1]), -int(scalar(q.input[2]))
-        )
-    producers = {o: n for n in g.node for o in n.output}
-    for out in g.output:
-        dq = producers.get(out.name)
-        if dq is None or dq.op_type != "DequantizeLinear" or len(dq.input) < 3:
-            encodings["outputs"][out.name] = IoTensor(
-                ONNX_TYPE_NAMES[out.type.tensor_type.elem_type], shape(out)
-            )
-            continue
-        quantized = dq.input[0]
-        zp = inits[dq.input[2]]
-        out.type.tensor_type.elem_type = zp.data_type
-        # The quantized tensor takes the output's name; float readers keep a DequantizeLinear.
-        for n in g.node:
-            if n is not dq:
-                n.input[:] = [out.name if i == quantized else i for i in n.input]
-                n.output[:] = [out.name if o == quantized else o for o in n.output]
-        inner = [n for n in consumers(out.name) if n is not dq]
-        if inner:
-            dq.input[0], dq.output[0] = out.name, f"{out.name}_float"
-            for n in inner:
-                n.input[:] = [dq.output[0] if i == out.name else i for i in n.input]
-        else:
-            drop.append(dq)
-        encodings["outputs"][out.name] = IoTensor(
-            ONNX_TYPE_NAMES[zp.data_type], shape(out), scalar(dq.input[1]), -int(scalar(dq.input[2]))
-        )
-    for n in drop:
-        g.node.remove(n)
-    return encodings
-
-
 def weight_bytes(model) -> int:
     return sum(_tensor_bytes(t.data_type, t.dims) for t in model.graph.initializer)
 

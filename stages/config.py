@@ -16,7 +16,19 @@ from pathlib import Path
 from typing import Any
 
 from stages.pipeline import STAGE_NAMES
-from stages.precision import INT4_CHANNEL, PRECISIONS, Precision, WeightScheme
+from stages.precision import (
+    DECODER_ROLE,
+    INT4_CHANNEL,
+    INT8_CHANNEL,
+    LM_HEAD_ROLE,
+    NORM_ROLE,
+    PLE_POLICY_SCHEMES,
+    PLE_ROLE,
+    PRECISIONS,
+    Precision,
+    WeightScheme,
+    usable_precisions,
+)
 from stages.soc import SOCS, Soc, get_soc
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -25,7 +37,7 @@ DEFAULT_PRESET = "default"
 # Models the download stage makes itself, without a network; anything else is a Hugging Face repo id.
 BUILTIN_MODELS = ("tiny", "e2b-random")
 COMPILERS = ("local", "aihub")
-PLE_POLICIES = ("float16", "int16", "int8")
+PLE_POLICIES = tuple(PLE_POLICY_SCHEMES)
 PLE_LUT_BITS = (8, 16)
 KV_BITS = ("auto", "8", "16")
 WEIGHT_ROUNDINGS = ("gptq", "nearest")
@@ -175,6 +187,20 @@ class PipelineConfig:
     def lm_head_scheme(self) -> WeightScheme:
         return INT4_CHANNEL if self.lm_head_bits == 4 else self.precision_info.lm_head
 
+    def weight_scheme(self, role: str, kept_int8: bool = False) -> WeightScheme:
+        """How a weight of this role (stages.precision's *_ROLE) is stored in a
+        binary: the one rule the planner prices and quantize writes and audits. `kept_int8`: a decoder
+        weight a mixed precision keeps at int8 (quantize's measured choice)."""
+        if role == DECODER_ROLE:
+            return INT8_CHANNEL if kept_int8 else self.decoder_scheme
+        if role == LM_HEAD_ROLE:
+            return self.lm_head_scheme
+        if role == PLE_ROLE:
+            return PLE_POLICY_SCHEMES[self.ple_policy]
+        if role == NORM_ROLE:
+            return WeightScheme("activation", self.precision_info.activation_bits)
+        raise ValueError(f"weight role {role!r} is none of stages.precision's *_ROLE")
+
     @property
     def kv_cache_bits(self) -> int:
         if self.kv_bits == "auto":
@@ -303,14 +329,14 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
     cfg = dataclasses.replace(cfg, soc=cfg.soc.upper())
     soc = cfg.soc_info
     _one_of("precision", cfg.precision, list(PRECISIONS))
+    allowed = [p.name for p in usable_precisions(soc)]
     if cfg.precision_info.not_built:
-        built = [p.name for p in PRECISIONS.values() if not p.not_built and p.runs_on(soc)]
         raise ConfigError(
             "precision",
-            f"{cfg.precision} is refused: {cfg.precision_info.not_built}; allowed values: {', '.join(built)}",
+            f"{cfg.precision} is refused: {cfg.precision_info.not_built}; "
+            f"allowed values: {', '.join(allowed)}",
         )
     if not cfg.precision_info.runs_on(soc):
-        allowed = [p.name for p in PRECISIONS.values() if p.runs_on(soc) and not p.not_built]
         raise ConfigError(
             "precision",
             f"{cfg.precision} cannot run on {soc.name} ({soc.dsp_arch}); "

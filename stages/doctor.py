@@ -12,6 +12,7 @@ from pathlib import Path
 
 from stages.config import PipelineConfig
 from stages.geometry import builtin_geometry
+from stages.runtimes.genie.files import QAIRT_RUNTIME_LIBS
 
 # The Python modules each stage imports; the stage images carry exactly these.
 STAGE_MODULES = {
@@ -22,7 +23,6 @@ STAGE_MODULES = {
     "verify": ("torch", "transformers", "onnxruntime", "tokenizers"),
     "push/run": ("jinja2",),
 }
-QAIRT_RUNTIME_LIBS = ("libGenie.so", "libQnnHtp.so", "libQnnSystem.so")
 
 
 @dataclass

@@ -20,22 +20,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field
 
-from stages.config import PRECISIONS, PipelineConfig
+from stages.config import PipelineConfig
 from stages.contract import GENIE_LUT_LIMIT_BYTES
 from stages.geometry import EMBEDDING, FULL, LINEAR, NORM, PLE, Geometry, Tensor
 from stages.graphs import binary_layout, graph_kinds, graph_name, part_name, partition_layers, past_len
-from stages.precision import INT8_CHANNEL, INT16_CHANNEL, WeightScheme
+from stages.precision import DECODER_ROLE, LM_HEAD_ROLE, NORM_ROLE, PLE_ROLE, WeightScheme, usable_precisions
 
 GIB = 1 << 30
 MIB = 1 << 20
 # Genie reads LUT sizes as uint32.
 EMBEDDING_LUT_BITS = 16
-# float16 PLE paths are stored as 16-bit floats; the int policies quantize them per channel.
-PLE_POLICY_SCHEMES = {
-    "float16": WeightScheme("float16", 16, onnx_type="float32"),
-    "int16": INT16_CHANNEL,
-    "int8": INT8_CHANNEL,
-}
+# A geometry tensor's kind -> the role whose storage rule it follows (the embedding is the tied lm_head).
+KIND_ROLES = {LINEAR: DECODER_ROLE, EMBEDDING: LM_HEAD_ROLE, PLE: PLE_ROLE, NORM: NORM_ROLE}
 
 
 @dataclass
@@ -134,16 +130,9 @@ class Plan:
 
 def weight_scheme(t: Tensor, cfg: PipelineConfig) -> WeightScheme:
     """How a weight is stored in a context binary."""
-    p = cfg.precision_info
-    if t.kind == LINEAR:
-        return cfg.decoder_scheme
-    if t.kind == EMBEDDING:  # the tied lm_head
-        return cfg.lm_head_scheme
-    if t.kind == PLE:
-        return PLE_POLICY_SCHEMES[cfg.ple_policy]
-    if t.kind == NORM:
-        return WeightScheme("activation", p.activation_bits)
-    raise ValueError(f"{t.name} ({t.kind}) does not live in a graph")
+    if t.kind not in KIND_ROLES:
+        raise ValueError(f"{t.name} ({t.kind}) does not live in a graph")
+    return cfg.weight_scheme(KIND_ROLES[t.kind])
 
 
 def tensor_bits(t: Tensor, cfg: PipelineConfig) -> int:
@@ -517,9 +506,7 @@ def layout_configs(cfg: PipelineConfig) -> list[tuple[PipelineConfig, str]]:
     d = cfg.decode_ar
     p = cfg.prefill_ar if cfg.separate_prefill_and_decode else min(LAYOUT_PREFILL_AR, cfg.max_context // 2)
     out = []
-    for prec in PRECISIONS.values():
-        if prec.not_built or not prec.runs_on(cfg.soc_info):
-            continue
+    for prec in usable_precisions(cfg.soc_info):
         base = dataclasses.replace(cfg, precision=prec.name)
         kinds = [(d, d, GENIE_ONE_KIND_SMALL)]
         if p > d:

@@ -49,6 +49,11 @@ class WeightScheme:
     def blockwise(self) -> bool:
         return self.block_size > 0
 
+    @property
+    def quantized(self) -> bool:
+        """False for a weight kept in float (a float16 PLE path): quantize leaves it alone."""
+        return not self.onnx_type.startswith("float")
+
     def stored_bytes(self, numel: int) -> int:
         """Bytes a weight of `numel` elements takes in a binary: the values, plus one 4-bit scale per
         block for LPBQ (per-channel float scales are a rounding error and are left out)."""
@@ -62,6 +67,15 @@ INT8_CHANNEL = WeightScheme("int8-channel", 8, onnx_type="int8")
 INT4_CHANNEL = WeightScheme("int4-channel", 4, onnx_type="int4")
 INT4_LPBQ64 = WeightScheme("int4-lpbq64", 4, block_size=64, onnx_type="int4")
 INT16_CHANNEL = WeightScheme("int16-channel", 16, onnx_type="int16")
+# Kept in float: stored as 16-bit floats in a binary (the graph holds float32 until compile).
+FLOAT16 = WeightScheme("float16", 16, onnx_type="float32")
+
+# The PLE policy (config field ple_policy) -> how the in-graph per-layer-embedding paths are stored.
+PLE_POLICY_SCHEMES = {"float16": FLOAT16, "int16": INT16_CHANNEL, "int8": INT8_CHANNEL}
+
+# The roles a weight plays, each stored by its own rule (PipelineConfig.weight_scheme): the attention
+# and MLP projections of every decoder layer, the tied lm_head, the PLE paths, the norms and scalars.
+DECODER_ROLE, LM_HEAD_ROLE, PLE_ROLE, NORM_ROLE = "decoder", "lm_head", "ple", "norm"
 
 
 @dataclass(frozen=True)
@@ -133,3 +147,8 @@ PRECISIONS: dict[str, Precision] = {
         ),
     )
 }
+
+
+def usable_precisions(soc) -> list[Precision]:
+    """The precisions the pipeline builds end to end and `soc` runs, in table order."""
+    return [p for p in PRECISIONS.values() if not p.not_built and p.runs_on(soc)]

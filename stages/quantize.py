@@ -52,7 +52,7 @@ from stages.encoding import ONNX_TYPE_NAMES, Encoding, QdqGraph
 from stages.gptq import Hessian, collect_hessians, gptq
 from stages.graphs import calibration_kind, copy_graph, qdq_file_name
 from stages.pipeline import output_dir
-from stages.precision import INT8_CHANNEL, LPBQ_BLOCK_SCALE_MAX
+from stages.precision import DECODER_ROLE, LM_HEAD_ROLE, LPBQ_BLOCK_SCALE_MAX, PLE_ROLE
 from stages.quality import EVAL_SAMPLES, SQNR_TOKENS, compare_chains, output_sqnr, write_quality_html
 from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
 from stages.sensitivity import sensitivity_samples
@@ -299,27 +299,19 @@ LM_HEAD_WEIGHT = "lm_head.weight"
 
 
 def weight_role(weight: str) -> str:
-    """decoder, lm_head or ple: which row of the precision table a MatMul weight follows."""
+    """The role (stages.precision's *_ROLE) whose storage rule a MatMul weight follows."""
     if weight.endswith(LM_HEAD_WEIGHT):
-        return "lm_head"
+        return LM_HEAD_ROLE
     if weight.endswith(PLE_WEIGHT_SUFFIXES):
-        return "ple"
-    return "decoder"
+        return PLE_ROLE
+    return DECODER_ROLE
 
 
 def expected_scheme(cfg: PipelineConfig, weight: str, int8_weights: frozenset[str] = frozenset()):
     """The WeightScheme a MatMul weight must have, or None where the PLE policy keeps it float.
     `int8_weights`: the decoder weights a mixed precision keeps at int8 (`WeightRounder.choose_int8`)."""
-    from stages.plan import PLE_POLICY_SCHEMES
-
-    role = weight_role(weight)
-    if role == "lm_head":
-        return cfg.lm_head_scheme
-    if role == "ple":
-        return None if cfg.ple_policy == "float16" else PLE_POLICY_SCHEMES[cfg.ple_policy]
-    if weight in int8_weights:
-        return INT8_CHANNEL
-    return cfg.decoder_scheme
+    scheme = cfg.weight_scheme(weight_role(weight), kept_int8=weight in int8_weights)
+    return scheme if scheme.quantized else None
 
 
 def _has_4bit_weights(cfg: PipelineConfig) -> bool:
@@ -518,7 +510,7 @@ class WeightRounder:
         prefill graphs: what the mixed precision ranks by."""
         from stages.sensitivity import measure
 
-        decoder = {n: r.dequantized for n, r in self.rounded.items() if weight_role(n) == "decoder"}
+        decoder = {n: r.dequantized for n, r in self.rounded.items() if weight_role(n) == DECODER_ROLE}
         for name, kl in measure(runner, decoder, samples, scratch).items():
             self.rounded[name].kl_int4 = kl
 
@@ -554,7 +546,7 @@ class WeightRounder:
         """The decoder weights kept at int8: the most measured cost (next-token KL at 4 bits; where
         not measured, the MatMul's own output error) removed per extra byte first, while their
         parameters stay within `share` of the decoder's (the precision's memory price)."""
-        decoder = {n: r for n, r in self.rounded.items() if weight_role(n) == "decoder"}
+        decoder = {n: r for n, r in self.rounded.items() if weight_role(n) == DECODER_ROLE}
         budget = share * sum(r.params for r in decoder.values())
 
         def gain(n: str) -> float:
@@ -574,7 +566,7 @@ class WeightRounder:
             "int8_weights": sorted(self.int8_weights),
             "int8_share": round(
                 sum(self.rounded[n].params for n in self.int8_weights)
-                / max(1, sum(r.params for n, r in self.rounded.items() if weight_role(n) == "decoder")),
+                / max(1, sum(r.params for n, r in self.rounded.items() if weight_role(n) == DECODER_ROLE)),
                 4,
             ),
             "sensitivity": "measured"
@@ -1713,11 +1705,9 @@ def run_quantize(
         # move nothing but which part a layer sits in), so the report ranks the weight schemes.
         by_precision = {cfg.precision: quality[cfg.ple_policy]}
         if compare_precisions:
-            from stages.precision import PRECISIONS
+            from stages.precision import usable_precisions
 
-            for name, prec in PRECISIONS.items():
-                if name == cfg.precision or prec.not_built or not prec.runs_on(cfg.soc_info):
-                    continue
+            for name in (p.name for p in usable_precisions(cfg.soc_info) if p.name != cfg.precision):
                 other_cfg = dataclasses.replace(cfg, precision=name, int8_percent="auto")
                 with tempfile.TemporaryDirectory(dir=workdir) as tmp:
                     other = quantize_with(other_cfg, Path(tmp))

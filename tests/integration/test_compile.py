@@ -12,8 +12,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from stages.compile import CompileError, check_rules, compile_local, prepare_io, run_compile
+from stages.compile import CompileError, check_rules, compile_local, run_compile
 from stages.config import load_config
+from stages.encoding import prepare_io
 from stages.graphs import Binary, binary_layout
 from stages.quantize import run_quantize
 from stages.report import IntegrityError

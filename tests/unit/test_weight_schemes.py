@@ -230,3 +230,26 @@ def test_folding_sessions_fold_weights_over_onnxruntimes_default_limit(tmp_path,
     )
     ops = {n.op_type for n in onnx.load(tmp_path / "optimized.onnx").graph.node}
     assert ("DequantizeLinear" not in ops) == folded, ops
+
+
+@pytest.mark.parametrize("ple_policy", ["float16", "int16", "int8"])
+@pytest.mark.parametrize("lm_head_bits", [8, 4])
+def test_plan_and_quantize_store_every_weight_by_the_same_rule(ple_policy: str, lm_head_bits: int) -> None:
+    """The planner prices a geometry tensor by its kind, quantize writes and audits a graph weight by its
+    name: both must land on one scheme for every weight the graphs hold, at every precision the SoC runs
+    (a second copy of the rule is what drifted before)."""
+    from stages.geometry import EMBEDDING, LINEAR, PLE, builtin_geometry
+    from stages.plan import KIND_ROLES, weight_scheme
+    from stages.precision import usable_precisions
+    from stages.quantize import LM_HEAD_WEIGHT, expected_scheme
+
+    base = load_config("tiny", {"ple_policy": ple_policy, "lm_head_bits": lm_head_bits})
+    tensors = [t for t in builtin_geometry("tiny").all_tensors() if t.kind in (LINEAR, PLE, EMBEDDING)]
+    assert {t.kind for t in tensors} == {LINEAR, PLE, EMBEDDING}
+    for precision in usable_precisions(base.soc_info):
+        cfg = base.with_overrides(precision=precision.name)
+        for t in tensors:
+            name = LM_HEAD_WEIGHT if t.kind == EMBEDDING else t.name
+            assert weight_role(name) == KIND_ROLES[t.kind], name
+            priced, written = weight_scheme(t, cfg), expected_scheme(cfg, name)
+            assert written == (priced if priced.quantized else None), (precision.name, name)

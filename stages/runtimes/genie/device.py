@@ -25,10 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from stages.doctor import QAIRT_RUNTIME_LIBS
 from stages.report import sha256_file
 from stages.runtimes import RuntimeFailure
-from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST
+from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST, QAIRT_RUNTIME_LIBS
 from stages.soc import SOCS
 
 REMOTE_ROOT = "/data/local/tmp"

@@ -291,7 +291,7 @@ class CpuEngine:
         import onnx
         import onnxruntime as ort
 
-        from stages.compile import prepare_io
+        from stages.encoding import prepare_io
         from stages.graphs import qdq_file_name
 
         if graph.name not in self._sessions:
