@@ -68,7 +68,7 @@ endif
 opt = $(if $(strip $(2)),--$(1) '$(strip $(2))')
 # MODEL, or (with FROM and no MODEL) the model named after the FROM folder by stages.config below.
 CONFIG_ARGS = --preset '$(PRESET)' --workdir '$(WORKDIR)' \
-  $(call opt,model,$(or $(MODEL),$(if $(FROM),$(word 1,$(CONFIG_NAMES))))) $(CONFIG_OPTS)
+  $(call opt,model,$(or $(MODEL),$(if $(FROM),$(call config_name,model)))) $(CONFIG_OPTS)
 CONFIG_OPTS = \
   $(call opt,model-revision,$(MODEL_REVISION)) $(call opt,soc,$(SOC)) \
   $(call opt,precision,$(PRECISION)) $(call opt,max-context,$(MAX_CONTEXT)) \
@@ -106,40 +106,48 @@ endif
 # ---- stage outputs: each stage's report.json is its "done" file ----
 STAMP_DIR       = $(WD)/.g4v69
 # The model (named after FROM when MODEL is empty), its checkpoint folder's name and each stage's stamp
-# name (keyed by the config fields up to that stage), computed on the host (stdlib-only module) because
-# rule targets are expanded when make starts. G4V69_<FIELD> variables count, as they do for g4v69
-# (make 4.3 does not give them to $(shell)).
+# name (keyed by the config fields up to that stage), as name=value words, computed on the host
+# (stdlib-only module) because rule targets are expanded when make starts. G4V69_<FIELD> variables
+# count, as they do for g4v69 (make 4.3 does not give them to $(shell)).
 G4V69_FIELD_ENV := $(foreach v,$(filter-out G4V69_PROMPT,$(filter G4V69_%,$(.VARIABLES))),$(v)='$($(v))')
 CONFIG_NAMES    := $(shell $(G4V69_FIELD_ENV) $(PYTHON) -m stages.config --preset '$(PRESET)' \
   $(call opt,model,$(MODEL)) $(CONFIG_OPTS) $(if $(FROM),--from '$(abspath $(FROM))'))
-CHECKPOINT_NAME := $(word 2,$(CONFIG_NAMES))
-# Each stage's output folder, in stage order, from the stage table (stages/pipeline.py).
-STAGE_FOLDERS   := $(shell $(PYTHON) -m stages.pipeline folders)
-folder          = $(word $(1),$(STAGE_FOLDERS))
-CHECKPOINT_DIR  = $(WD)/$(call folder,1)/$(CHECKPOINT_NAME)
-DOWNLOAD_REPORT = $(CHECKPOINT_DIR)/report.json
-EXPORT_REPORT   = $(WD)/$(call folder,2)/report.json
-QUANTIZE_REPORT = $(WD)/$(call folder,3)/report.json
-COMPILE_REPORT  = $(WD)/$(call folder,4)/report.json
-BUNDLE_REPORT   = $(WD)/$(call folder,5)/report.json
-VERIFY_REPORT   = $(WD)/$(call folder,6)/report.json
+config_name      = $(patsubst $(1)=%,%,$(filter $(1)=%,$(CONFIG_NAMES)))
+CHECKPOINT_NAME := $(call config_name,checkpoint)
+# The stage table (stages/pipeline.py), one word per stage: name:folder:upstream,...:image:per_checkpoint:stamped.
+STAGE_ROWS      := $(shell $(PYTHON) -m stages.pipeline rows)
+STAGES          := $(foreach r,$(STAGE_ROWS),$(firstword $(subst :, ,$(r))))
+stage_row        = $(subst :, ,$(filter $(1):%,$(STAGE_ROWS)))
+stage_field      = $(word $(2),$(call stage_row,$(1)))
+comma := ,
+# $(call stage_report,STAGE): the report.json that says the stage's output is complete.
+stage_report     = $(WD)/$(call stage_field,$(1),2)$(if $(filter yes,$(call stage_field,$(1),5)),/$(CHECKPOINT_NAME))/report.json
+stage_upstream   = $(filter-out -,$(subst $(comma), ,$(call stage_field,$(1),3)))
+# An image variable (QUANT_IMAGE for quantize) overrides the table's image.
+stage_image      = $(or $($(1)_IMAGE),$(call stage_field,$(1),4))
+# A stamped stage reruns when its stamp for this config is missing; a check without one, whenever asked.
 # (A config the module refuses names nothing; the stage then says why and writes nothing.)
-stamp = $(STAMP_DIR)/$(or $(word $(1),$(CONFIG_NAMES)),no-config-$(1))
-DOWNLOAD_STAMP  = $(call stamp,3)
-EXPORT_STAMP    = $(call stamp,4)
-QUANTIZE_STAMP  = $(call stamp,5)
-COMPILE_STAMP   = $(call stamp,6)
-BUNDLE_STAMP    = $(call stamp,7)
+stage_stamp      = $(if $(filter yes,$(call stage_field,$(1),6)),$(STAMP_DIR)/$(or $(call config_name,$(1)),no-config-$(1)),FORCE)
+# What each stage's command line adds to the config (empty for the others).
+download_ARGS    = $(call opt,from,$(if $(FROM),$(abspath $(FROM))))
+quantize_ARGS    = $(QUANT_ARGS)
+quantize_IMAGE   = $(QUANT_IMAGE)
+verify_ARGS      = --engine '$(VERIFY_ENGINE)' $(call opt,min-prefix,$(VERIFY_MIN_PREFIX)) \
+  $(call opt,min-top1,$(VERIFY_MIN_TOP1))
+verify_QUIET     = @
+verify_AFTER     = @echo "bundle: $(ABS_WORKDIR)/genie_bundle"
 # The prompt reaches g4v69 through the environment, unexpanded: `$`, quotes and newlines stay as typed.
 # PROMPT itself is not exported: make would expand it (and run a `$(shell ...)` in it) to do so.
 unexport PROMPT
 export G4V69_PROMPT = $(value PROMPT)
 
-.PHONY: help images wheelhouse base-image lock download export quantize compile bundle verify \
+.PHONY: help images wheelhouse base-image lock $(STAGES) \
   push run generate demo bench bench-quality plan doctor image-tag test test-unit test-container lint clean venv g4v69 FORCE \
   $(addprefix image-,$(IMAGES))
 
 help: ## list the targets and variables
+	@echo "Stages (in order; each runs the ones before it that are not done):"
+	@$(PYTHON) -m stages.pipeline help
 	@echo "Targets:"
 	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | \
 	  awk -F':.*## ' '{ printf "  %-12s %s\n", $$1, $$2 }'
@@ -152,45 +160,32 @@ help: ## list the targets and variables
 	@echo "  BASE_IMAGE=$(BASE_IMAGE) (or 'debootstrap') WHEELHOUSE=$(WHEELHOUSE)"
 
 # ---- pipeline ----
-# A stage reruns when its input report changed or its stamp for this config is missing. A stage writes
-# its stamp (WORKDIR/.g4v69/<stage>-<config hash>.json, dated like its report) only when it succeeds,
-# and removes its stamps of other configs, whose output it has just replaced; so a command with another
-# PRESET neither invalidates this config's results nor reuses the other's. A stage that finds an input
-# changed since it was written removes that input's stamps, so the stage that makes it runs again.
-$(DOWNLOAD_STAMP) $(EXPORT_STAMP) $(QUANTIZE_STAMP) $(COMPILE_STAMP) $(BUNDLE_STAMP): ;
+# Each stage's rule comes from its row of the stage table: its report depends on its upstream stages'
+# reports and its stamp, and its recipe runs `g4v69 <stage>` in its image. A stage reruns when an input
+# report changed or its stamp for this config is missing. A stage writes its stamp
+# (WORKDIR/.g4v69/<stage>-<config hash>.json, dated like its report) only when it succeeds, and removes
+# its stamps of other configs, whose output it has just replaced; so a command with another PRESET
+# neither invalidates this config's results nor reuses the other's. A stage that finds an input changed
+# since it was written removes that input's stamps, so the stage that makes it runs again. verify is a
+# check: it runs whenever asked (with the PROMPT given), on top of a finished bundle.
+define stage_rule
+$(call stage_report,$(1)): $(foreach u,$(call stage_upstream,$(1)),$(call stage_report,$(u))) $(call stage_stamp,$(1)) | $$(call RUNNER_DEP,$(call stage_image,$(1)))
+	$$($(1)_QUIET)$$(call g4v69,$(call stage_image,$(1))) $(1) $$($(1)_ARGS)
+	$$($(1)_AFTER)
+$(1): $(call stage_report,$(1))
+endef
+$(foreach s,$(STAGES),$(eval $(call stage_rule,$(s))))
+$(sort $(filter-out FORCE,$(foreach s,$(STAGES),$(call stage_stamp,$(s))))): ;
 
-$(DOWNLOAD_REPORT): $(DOWNLOAD_STAMP) | $(call RUNNER_DEP,export)
-	$(call g4v69,export) download $(call opt,from,$(if $(FROM),$(abspath $(FROM))))
-$(EXPORT_REPORT): $(DOWNLOAD_REPORT) $(EXPORT_STAMP) | $(call RUNNER_DEP,export)
-	$(call g4v69,export) export
-$(QUANTIZE_REPORT): $(EXPORT_REPORT) $(QUANTIZE_STAMP) | $(call RUNNER_DEP,$(QUANT_IMAGE))
-	$(call g4v69,$(QUANT_IMAGE)) quantize $(QUANT_ARGS)
-$(COMPILE_REPORT): $(QUANTIZE_REPORT) $(COMPILE_STAMP) | $(call RUNNER_DEP,compile)
-	$(call g4v69,compile) compile
-# The bundle stage runs in the compile image: Genie's own config validator is onnxruntime-qnn's libGenie.so.
-$(BUNDLE_REPORT): $(COMPILE_REPORT) $(BUNDLE_STAMP) | $(call RUNNER_DEP,compile)
-	$(call g4v69,compile) bundle
-# verify is a check: it runs whenever asked (with the PROMPT given), on top of a finished bundle.
-$(VERIFY_REPORT): $(BUNDLE_REPORT) FORCE | $(call RUNNER_DEP,export)
-	@$(call g4v69,export) verify --engine '$(VERIFY_ENGINE)' $(call opt,min-prefix,$(VERIFY_MIN_PREFIX)) \
-	  $(call opt,min-top1,$(VERIFY_MIN_TOP1))
-	@echo "bundle: $(ABS_WORKDIR)/genie_bundle"
-
-download: $(DOWNLOAD_REPORT) ## fetch the checkpoint (or make the built-in tiny model) into checkpoints/
-export: $(EXPORT_REPORT) ## static-shape sharded ONNX graphs + LUTs into exported/
-quantize: $(QUANTIZE_REPORT) ## QDQ graphs at PRECISION (4-bit by default; 8-bit KV on v69) into quantized/
-compile: $(COMPILE_REPORT) ## QNN context binaries into compiled/ (COMPILER=local|aihub)
-bundle: $(BUNDLE_REPORT) ## the Genie bundle into genie_bundle/
-verify: $(VERIFY_REPORT) ## check the bundle on the host against transformers into verify/
 # push/run in the tools image talk to the phone through the host's adb server (`adb start-server` on the
 # host; the container shares the host network) or through USB passed in with
 # DOCKER_ARGS='--device /dev/bus/usb'. QNN_SDK_ROOT (your QAIRT SDK) is shown to it read-only.
 DEVICE_RUN_ARGS = $(if $(filter docker,$(RUNNER)),--network host $(if $(QNN_SDK_ROOT),-v '$(QNN_SDK_ROOT):$(QNN_SDK_ROOT):ro'))
-push: $(BUNDLE_REPORT) | $(call RUNNER_DEP,tools) ## adb-push the bundle and QAIRT runtime (QNN_SDK_ROOT) to the phone
+push: $(call stage_report,bundle) | $(call RUNNER_DEP,tools) ## adb-push the bundle and QAIRT runtime (QNN_SDK_ROOT) to the phone
 	$(call g4v69,tools,$(DEVICE_RUN_ARGS)) push
 run: | $(call RUNNER_DEP,tools) ## run PROMPT on the phone with genie-t2t-run (after make push)
 	$(call g4v69,tools,$(DEVICE_RUN_ARGS)) run
-generate: $(EXPORT_REPORT) | $(call RUNNER_DEP,export) ## run PROMPT through the exported graphs on the host
+generate: $(call stage_report,export) | $(call RUNNER_DEP,export) ## run PROMPT through the exported graphs on the host
 	@$(call g4v69,export) generate
 # The tiny model knows Python docstrings only; a prompt from its domain (out of it, its first tokens are
 # near-ties that any 8-bit model may flip: see README "Verification").
@@ -273,10 +268,13 @@ test-unit: $(VENV)/.installed ## run only the fast unit tests
 lint: $(VENV)/.installed ## ruff over the package and tests
 	'$(VENV)/bin/ruff' check stages tests docker
 
+# Stage folders per checkpoint (checkpoints/) keep their contents; a folder the repository tracks (its
+# README.md) stays, emptied.
+per_checkpoint = $(filter yes,$(call stage_field,$(1),5))
 clean: ## remove stage outputs under WORKDIR (not checkpoints and their stamps, images or the wheelhouse)
-	rm -rf $(foreach i,2 3 4 6,'$(WORKDIR)/$(call folder,$(i))')
-	rm -f '$(WORKDIR)/.g4v69/aihub_jobs.json' $(foreach s,export quantize compile bundle,'$(WORKDIR)/.g4v69/'$(s)-*.json)
-	$(PYTHON) -m stages.report clean '$(WORKDIR)' '$(WORKDIR)/$(call folder,1)'
-	find '$(WORKDIR)/$(call folder,5)' -mindepth 1 ! -name README.md -exec rm -rf {} + 2>/dev/null || true
+	for f in $(foreach s,$(STAGES),$(if $(call per_checkpoint,$(s)),,'$(WORKDIR)/$(call stage_field,$(s),2)')); do \
+	  [ -d "$$f" ] || continue; find "$$f" -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +; rmdir "$$f" 2>/dev/null || true; done
+	rm -f '$(WORKDIR)/.g4v69/aihub_jobs.json' $(foreach s,$(STAGES),$(if $(call per_checkpoint,$(s)),,'$(WORKDIR)/.g4v69/'$(s)-*.json))
+	$(foreach s,$(STAGES),$(if $(call per_checkpoint,$(s)),$(PYTHON) -m stages.report clean '$(WORKDIR)' '$(WORKDIR)/$(call stage_field,$(s),2)';))
 
 FORCE:

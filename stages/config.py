@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from stages.pipeline import STAGE_NAMES
+from stages.pipeline import PIPELINE, STAGE_NAMES
 from stages.precision import (
     DECODER_ROLE,
     INT4_CHANNEL,
@@ -440,9 +440,9 @@ def load_config(
 
 
 def main(argv: list[str], environ: dict[str, str]) -> str:
-    """`python3 -m stages.config --preset P [--<field> V]... [--from DIR]`: the model (named after DIR
-    when no model is given), its checkpoint folder name and the stamp names of the stages that have
-    one, on one line. The Makefile needs them to name its targets before any image exists (this module
+    """`python3 -m stages.config --preset P [--<field> V]... [--from DIR]`: `model=M` (named after DIR
+    when no model is given), `checkpoint=C` (its folder name) and `<stage>=<stamp name>` for each stage
+    that has a stamp, on one line. The Makefile needs them to name its targets before any image exists (this module
     is stdlib-only); it passes the same options as to `g4v69`, and G4V69_<FIELD> variables count as
     they do for `g4v69`."""
     import argparse
@@ -460,7 +460,8 @@ def main(argv: list[str], environ: dict[str, str]) -> str:
     if not overrides.get("model") and from_dir:
         overrides["model"] = model_name_from_dir(from_dir)
     cfg = load_config(preset, overrides)
-    return " ".join([cfg.model, cfg.checkpoint_name] + [stamp_name(cfg, s) for s in STAGES[:-1]])
+    stamps = [f"{s.name}={stamp_name(cfg, s.name)}" for s in PIPELINE if s.stamped]
+    return " ".join([f"model={cfg.model}", f"checkpoint={cfg.checkpoint_name}", *stamps])
 
 
 if __name__ == "__main__":

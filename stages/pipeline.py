@@ -1,11 +1,11 @@
 """The stage table: every stage once, in pipeline order, with its output folder, the stages whose output
 it reads (and checks against their reports' hashes), the image it runs in and what it makes.
 
-The CLI, the reports, the bench, doctor and the Makefile read it (the Makefile through
-`python -m stages.pipeline`, as it reads the config; a unit test checks its recipes against the
-images here). Which config fields invalidate a stage is said once per field, in `stages/config.py`
-(`stage_fields`). A new stage is a row here, a module with its `run_<stage>` and a CLI command; the
-bundle and verify stages are the runtime's (`stages.runtimes`).
+The CLI, the reports, the bench, doctor and the Makefile read it: the Makefile makes each stage's rule
+from its row (`python -m stages.pipeline rows`, as it reads the config), so a stage's folder, inputs and
+image are said here only. Which config fields invalidate a stage is said once per field, in
+`stages/config.py` (`stage_fields`). A new stage is a row here, a module with its `run_<stage>` and a CLI
+command; the bundle and verify stages are the runtime's (`stages.runtimes`).
 
 Stdlib only: the Makefile reads it before any image exists.
 """
@@ -24,25 +24,49 @@ class Stage:
     upstream: tuple[str, ...]  # stages whose output it reads
     image: str  # docker/<image>/: what runs it under RUNNER=docker
     makes: str
+    # The output is one folder per checkpoint inside `folder` (download keeps every checkpoint it got).
+    per_checkpoint: bool = False
+    # A stamp per config says it finished (Make skips it then); a check without one runs whenever asked.
+    stamped: bool = True
 
 
 PIPELINE: tuple[Stage, ...] = (
     Stage(
-        "download", "checkpoints", (), "export", "the checkpoint (or a built-in model) in checkpoints/<name>/"
+        "download",
+        "checkpoints",
+        (),
+        "export",
+        "fetch the checkpoint (or make a built-in model) into checkpoints/<name>/",
+        per_checkpoint=True,
     ),
     Stage(
-        "export", "exported", ("download",), "export", "static-shape sharded ONNX graphs and the Genie LUTs"
+        "export", "exported", ("download",), "export", "static-shape sharded ONNX graphs + LUTs into exported/"
     ),
-    Stage("quantize", "quantized", ("download", "export"), "quant", "audited QDQ graphs at the precision"),
-    Stage("compile", "compiled", ("quantize",), "compile", "QNN context binaries, one per graph"),
+    Stage(
+        "quantize",
+        "quantized",
+        ("download", "export"),
+        "quant",
+        "audited QDQ graphs at PRECISION (QUANT_ARGS, QUANT_IMAGE) into quantized/",
+    ),
+    Stage(
+        "compile", "compiled", ("quantize",), "compile", "QNN context binaries into compiled/ (COMPILER)"
+    ),
     # Genie's own config validator is onnxruntime-qnn's libGenie.so, in the compile image.
-    Stage("bundle", "genie_bundle", ("download", "export", "compile"), "compile", "the Genie bundle"),
+    Stage(
+        "bundle",
+        "genie_bundle",
+        ("download", "export", "compile"),
+        "compile",
+        "the Genie bundle into genie_bundle/",
+    ),
     Stage(
         "verify",
         "verify",
         ("download", "quantize", "bundle"),
         "export",
-        "the bundle under the Genie emulator against transformers",
+        "check the bundle under a Genie emulator against transformers into verify/ (VERIFY_*)",
+        stamped=False,
     ),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in PIPELINE)
@@ -58,20 +82,39 @@ def stage(name: str) -> Stage:
 
 def output_dir(workdir: Path, name: str, checkpoint_name: str | None = None) -> Path:
     """Where a stage writes under workdir; download needs the checkpoint's folder name."""
-    folder = Path(workdir) / stage(name).folder
-    if name == "download":
+    s = stage(name)
+    folder = Path(workdir) / s.folder
+    if s.per_checkpoint:
         if not checkpoint_name:
-            raise ValueError("the download stage's folder needs the checkpoint name")
+            raise ValueError(f"the {name} stage's folder needs the checkpoint name")
         return folder / checkpoint_name
     return folder
 
 
+def make_rows() -> str:
+    """One word per stage, in order, for the Makefile's stage rules:
+    name:folder:upstream,stages:image:per_checkpoint:stamped ('-' for no upstream, yes/no flags)."""
+    flag = {True: "yes", False: "no"}
+    return " ".join(
+        f"{s.name}:{s.folder}:{','.join(s.upstream) or '-'}:{s.image}:{flag[s.per_checkpoint]}:{flag[s.stamped]}"
+        for s in PIPELINE
+    )
+
+
+def make_help() -> str:
+    """The stage targets' lines of `make help`."""
+    return "\n".join(f"  {s.name:<12} {s.makes}" for s in PIPELINE)
+
+
 def _main(argv: list[str]) -> int:
-    """`python -m stages.pipeline folders`: the output folders, in stage order (for the Makefile)."""
-    if argv == ["folders"]:
-        print(" ".join(s.folder for s in PIPELINE))
+    """`python -m stages.pipeline rows|help`: the stage table for the Makefile's rules and its help."""
+    if argv == ["rows"]:
+        print(make_rows())
         return 0
-    print("usage: python -m stages.pipeline folders", file=sys.stderr)
+    if argv == ["help"]:
+        print(make_help())
+        return 0
+    print("usage: python -m stages.pipeline rows|help", file=sys.stderr)
     return 2
 
 

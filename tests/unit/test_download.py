@@ -399,7 +399,18 @@ in_venv = pytest.mark.skipif(
 
 
 def make(*args: str):
-    return run(["make", "--no-print-directory", "download", "RUNNER=local", f"VENV={VENV}", *args])
+    return run(
+        [
+            "make",
+            "--no-print-directory",
+            "-o",
+            f"{VENV}/.installed",
+            "download",
+            "RUNNER=local",
+            f"VENV={VENV}",
+            *args,
+        ]
+    )
 
 
 @in_venv

@@ -198,8 +198,8 @@ def test_stamps_are_keyed_by_the_fields_up_to_their_stage():
 def test_the_makefiles_names_are_the_clis_names():
     cfg = load_config("tiny", {"soc": "sm8550", "calibration_samples": 3})
     names = config_main(["--preset", "tiny", "--soc", "sm8550"], {"G4V69_CALIBRATION_SAMPLES": "3"})
-    assert names.split() == [cfg.model, cfg.checkpoint_name] + [
-        stamp_name(cfg, s) for s in ("download", "export", "quantize", "compile", "bundle")
+    assert names.split() == [f"model={cfg.model}", f"checkpoint={cfg.checkpoint_name}"] + [
+        f"{s}={stamp_name(cfg, s)}" for s in ("download", "export", "quantize", "compile", "bundle")
     ]
 
 

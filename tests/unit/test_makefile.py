@@ -37,6 +37,18 @@ def make(*args: str, **env: str):
     return run(["make", "--no-print-directory", *args], env=env)
 
 
+def stage_report(stage: str, workdir: str) -> str:
+    """The report path Make's rule for `stage` targets (the tiny preset, under workdir)."""
+    show = f"show-report: ; @echo $(call stage_report,{stage})"
+    return make("-s", "--eval", show, "show-report", "PRESET=tiny", f"WORKDIR={workdir}").stdout.strip()
+
+
+def make_local(*args: str):
+    """make with RUNNER=local in the venv these tests run in; `-o` keeps make from rebuilding that venv
+    (a worktree's newer pyproject.toml would otherwise reinstall it from under the running tests)."""
+    return make("-o", f"{VENV}/.installed", "RUNNER=local", f"VENV={VENV}", *args)
+
+
 def test_help_lists_every_target_with_a_line():
     r = make("help")
     assert r.returncode == 0
@@ -123,21 +135,36 @@ def test_stage_recipes_run_in_the_images_and_folders_of_the_stage_table(tmp_path
             images[m.group(2)] = m.group(1)
     assert images == {s.name: s.image for s in PIPELINE}
     for s in PIPELINE:
-        report = make("-s", f"print-{s.name.upper()}_REPORT", "PRESET=tiny", "WORKDIR=/w").stdout.strip()
-        assert report.startswith(f"/w/{s.folder}/") and report.endswith("/report.json")
+        report = stage_report(s.name, "/w")
+        assert report == f"/w/{s.folder}/" + ("tiny/" if s.per_checkpoint else "") + "report.json"
+
+
+def test_stage_rules_follow_the_stage_table(tmp_path):
+    """A stage's report depends on its upstream stages' reports (and its stamp, or FORCE for a check
+    without one), read off the rule Make built from the table, not a hand-written copy."""
+    from stages.pipeline import PIPELINE
+
+    db = make("-p", "-n", "-q", "help", "PRESET=tiny", f"WORKDIR={tmp_path}").stdout
+    for s in PIPELINE:
+        report = stage_report(s.name, str(tmp_path))
+        rule = next(line for line in db.splitlines() if line.startswith(f"{report}:"))
+        prereqs = rule.split(":", 1)[1].split("|")[0].split()
+        ups = [p for p in prereqs if p.endswith("report.json")]
+        assert sorted(ups) == sorted(stage_report(u, str(tmp_path)) for u in s.upstream), s.name
+        assert any(p.endswith("FORCE") for p in prereqs) != s.stamped, s.name
 
 
 @in_venv
 def test_plan_runs_locally_and_matches_the_cli():
-    r = make("plan", "RUNNER=local", f"VENV={VENV}")
+    r = make_local("plan")
     assert r.returncode == 0, r.stderr
     assert "SM8450 (v69)" in r.stdout and "Decode roofline" in r.stdout
-    j = make("g4v69", "RUNNER=local", f"VENV={VENV}", "ARGS=plan --json")
+    j = make_local("g4v69", "ARGS=plan --json")
     assert json.loads(j.stdout)["soc"] == "SM8450"
 
 
 @in_venv
 def test_bad_config_through_make_fails_and_writes_nothing(tmp_path):
-    r = make("download", "RUNNER=local", f"VENV={VENV}", f"WORKDIR={tmp_path}", "SOC=SM0000")
+    r = make_local("download", f"WORKDIR={tmp_path}", "SOC=SM0000")
     assert r.returncode != 0 and "config field 'soc'" in r.stderr
     assert list(tmp_path.iterdir()) == []
