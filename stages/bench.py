@@ -239,7 +239,7 @@ def e2b_rounding_costs(schemes=QUALITY_SCHEMES, calibration_rows: int = 1024) ->
     from stages.config import load_config
     from stages.geometry import LINEAR, e2b_geometry
     from stages.gptq import FULL_HESSIAN_MAX_WIDTH, Hessian
-    from stages.quantize import WeightRounder
+    from stages.quantize.weights import WeightRounder
 
     geo = e2b_geometry()
     kinds: dict[tuple, list[int]] = {}

@@ -442,9 +442,9 @@ def load_config(
 def main(argv: list[str], environ: dict[str, str]) -> str:
     """`python3 -m stages.config --preset P [--<field> V]... [--from DIR]`: `model=M` (named after DIR
     when no model is given), `checkpoint=C` (its folder name) and `<stage>=<stamp name>` for each stage
-    that has a stamp, on one line. The Makefile needs them to name its targets before any image exists (this module
-    is stdlib-only); it passes the same options as to `g4v69`, and G4V69_<FIELD> variables count as
-    they do for `g4v69`."""
+    that has a stamp, on one line. The Makefile needs them to name its targets before any image exists
+    (this module is stdlib-only); it passes the same options as to `g4v69`, and G4V69_<FIELD> variables
+    count as they do for `g4v69`."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python3 -m stages.config")

@@ -40,7 +40,11 @@ PIPELINE: tuple[Stage, ...] = (
         per_checkpoint=True,
     ),
     Stage(
-        "export", "exported", ("download",), "export", "static-shape sharded ONNX graphs + LUTs into exported/"
+        "export",
+        "exported",
+        ("download",),
+        "export",
+        "static-shape sharded ONNX graphs + LUTs into exported/",
     ),
     Stage(
         "quantize",
@@ -49,9 +53,7 @@ PIPELINE: tuple[Stage, ...] = (
         "quant",
         "audited QDQ graphs at PRECISION (QUANT_ARGS, QUANT_IMAGE) into quantized/",
     ),
-    Stage(
-        "compile", "compiled", ("quantize",), "compile", "QNN context binaries into compiled/ (COMPILER)"
-    ),
+    Stage("compile", "compiled", ("quantize",), "compile", "QNN context binaries into compiled/ (COMPILER)"),
     # Genie's own config validator is onnxruntime-qnn's libGenie.so, in the compile image.
     Stage(
         "bundle",
@@ -94,11 +96,12 @@ def output_dir(workdir: Path, name: str, checkpoint_name: str | None = None) -> 
 def make_rows() -> str:
     """One word per stage, in order, for the Makefile's stage rules:
     name:folder:upstream,stages:image:per_checkpoint:stamped ('-' for no upstream, yes/no flags)."""
-    flag = {True: "yes", False: "no"}
-    return " ".join(
-        f"{s.name}:{s.folder}:{','.join(s.upstream) or '-'}:{s.image}:{flag[s.per_checkpoint]}:{flag[s.stamped]}"
-        for s in PIPELINE
-    )
+
+    def row(s: Stage) -> str:
+        flags = ["yes" if s.per_checkpoint else "no", "yes" if s.stamped else "no"]
+        return ":".join([s.name, s.folder, ",".join(s.upstream) or "-", s.image, *flags])
+
+    return " ".join(row(s) for s in PIPELINE)
 
 
 def make_help() -> str:

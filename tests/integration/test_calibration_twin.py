@@ -17,7 +17,9 @@ from onnx import numpy_helper
 from stages.config import load_config
 from stages.download import run_download
 from stages.export import run_export
-from stages.quantize import QuantizeError, run_quantize, twin_tensor_names
+from stages.quantize.analysis import QuantizeError
+from stages.quantize.calibrate import twin_tensor_names
+from stages.quantize.stage import run_quantize
 from stages.runner import HostRunner
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,10 @@ from stages.config import load_config
 from stages.download import run_download
 from stages.encoding import Encoding
 from stages.export import run_export
-from stages.quantize import QuantizeError, analyse, audit, lut_input_encodings, run_quantize
+from stages.quantize.analysis import QuantizeError, analyse
+from stages.quantize.audit import audit
+from stages.quantize.stage import run_quantize
+from stages.quantize.weights import lut_input_encodings
 from stages.report import IntegrityError, read_report
 from stages.runner import HostRunner
 
@@ -232,7 +235,12 @@ def test_two_step_quantize_equals_onnxruntimes_one_call(exported, tmp_path, meth
 
     from stages.calibration import load_texts, token_samples
     from stages.chat import ChatTokenizer
-    from stages.quantize import calibrate, calibrated_ranges, graph_quant_config, quantize_with_ranges
+    from stages.quantize.calibrate import (
+        calibrate,
+        calibrated_ranges,
+        graph_quant_config,
+        quantize_with_ranges,
+    )
     from stages.report import read_report
 
     cfg = load_config("tiny")
@@ -268,7 +276,7 @@ def test_one_chain_pass_calibrates_every_graph_as_graph_by_graph(exported, tmp_p
 
     from stages.calibration import load_texts, token_samples
     from stages.chat import ChatTokenizer
-    from stages.quantize import (
+    from stages.quantize.calibrate import (
         RangeCollector,
         calibrate,
         calibrate_kind,
@@ -351,7 +359,7 @@ def test_calibration_reads_external_data_graphs_from_its_copies(exported, tmp_pa
     import pytest as _pytest
 
     from stages.graphs import copy_graph
-    from stages.quantize import new_calibrator, qnn_config
+    from stages.quantize.calibrate import new_calibrator, qnn_config
 
     src_model = onnx.load(str(next((exported / "exported").glob("prefill_*part1*.onnx"))))
     big = tmp_path / "exported" / "graph.onnx"

@@ -13,7 +13,10 @@ from stages.config import load_config
 from stages.download import run_download
 from stages.export import run_export
 from stages.precision import LPBQ_BLOCK_SCALE_MAX, PRECISIONS
-from stages.quantize import analyse, audit, lut_input_encodings, run_quantize
+from stages.quantize.analysis import analyse
+from stages.quantize.audit import audit
+from stages.quantize.stage import run_quantize
+from stages.quantize.weights import lut_input_encodings
 from stages.report import read_report
 from stages.runtimes.genie.bundle import run_bundle
 from stages.runtimes.genie.verify import run_verify, transformers_floor
@@ -89,7 +92,7 @@ def test_mixed_precision_keeps_the_chosen_weights_int8_and_gptq_beats_nearest(tm
     """w4a16-mixed: the weights its report names are int8 in every graph, the other decoder weights
     int4, within its share of the decoder's parameters; and the same precision with rounding to
     nearest (the clipping search alone) measures worse than with GPTQ."""
-    from stages.quantize import weight_role
+    from stages.quantize.weights import weight_role
 
     cfg = load_config("tiny", {"precision": "w4a16-mixed", "int8_percent": "50"})
     ckpt = tmp_path / "checkpoints" / "tiny"
@@ -140,7 +143,7 @@ def _emulated_vs_cpu(precision: str, tmp_path: Path) -> float:
     import onnxruntime_qnn
     from onnx import TensorProto, helper, numpy_helper
 
-    from stages.quantize import apply_weight_scheme
+    from stages.quantize.weights import apply_weight_scheme
 
     rows, cols = 256, 16
     rng = np.random.default_rng(0)

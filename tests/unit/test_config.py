@@ -149,12 +149,12 @@ def test_the_makefile_helper_prints_the_model_and_its_folder(tmp_path):
     def helper(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "stages.config", *args], capture_output=True, text=True)
 
-    assert helper("--from", str(tmp_path / "Mm")).stdout.split()[:2] == ["Mm", "mm"]
+    assert helper("--from", str(tmp_path / "Mm")).stdout.split()[:2] == ["model=Mm", "checkpoint=mm"]
     assert helper("--model", "google/gemma-4-E2B-it", "--from", str(tmp_path / "Mm")).stdout.split()[:2] == [
-        "google/gemma-4-E2B-it",
-        "gemma-4-e2b-it",
+        "model=google/gemma-4-E2B-it",
+        "checkpoint=gemma-4-e2b-it",
     ]
-    assert helper("--preset", "tiny").stdout.split()[:2] == ["tiny", "tiny"]
+    assert helper("--preset", "tiny").stdout.split()[:2] == ["model=tiny", "checkpoint=tiny"]
     bad = helper("--from", str(tmp_path / "a b"))
     assert bad.returncode == 1 and "set MODEL" in bad.stderr
 

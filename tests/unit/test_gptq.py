@@ -11,7 +11,7 @@ import pytest
 from stages.config import ConfigError, load_config
 from stages.gptq import FULL_HESSIAN_MAX_WIDTH, Hessian, gptq, output_error
 from stages.precision import INT8_CHANNEL
-from stages.quantize import RoundedWeight, WeightRounder, expected_scheme, int4_channel
+from stages.quantize.weights import RoundedWeight, WeightRounder, expected_scheme, int4_channel
 
 
 def _layer(rows: int = 96, cols: int = 24, tokens: int = 2048, seed: int = 0):

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from stages.config import load_config
 from stages.precision import INT4_LPBQ64, LPBQ_BLOCK_SCALE_MAX
-from stages.quantize import (
+from stages.quantize.weights import (
     _pack_int4,
     apply_weight_scheme,
     int4_channel,
@@ -241,7 +241,7 @@ def test_plan_and_quantize_store_every_weight_by_the_same_rule(ple_policy: str, 
     from stages.geometry import EMBEDDING, LINEAR, PLE, builtin_geometry
     from stages.plan import KIND_ROLES, weight_scheme
     from stages.precision import usable_precisions
-    from stages.quantize import LM_HEAD_WEIGHT, expected_scheme
+    from stages.quantize.weights import LM_HEAD_WEIGHT, expected_scheme
 
     base = load_config("tiny", {"ple_policy": ple_policy, "lm_head_bits": lm_head_bits})
     tensors = [t for t in builtin_geometry("tiny").all_tensors() if t.kind in (LINEAR, PLE, EMBEDDING)]

@@ -1,0 +1,389 @@
+"""The quantize stage: every exported graph calibrated, quantized, rewritten to its weight schemes and
+audited, then measured against the float chain (`run_quantize`)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stages.config import PipelineConfig, stage_fields
+from stages.gptq import collect_hessians
+from stages.graphs import calibration_kind, copy_graph, qdq_file_name
+from stages.pipeline import output_dir
+from stages.quality import EVAL_SAMPLES, SQNR_TOKENS, compare_chains, output_sqnr, write_quality_html
+from stages.quantize.analysis import (
+    QuantizeError,
+    analyse,
+)
+from stages.quantize.audit import audit
+from stages.quantize.calibrate import (
+    DECODE_CALIBRATION_STEPS,
+    HESSIAN_SAMPLES,
+    RangeCollector,
+    calibrate_kind,
+    qnn_config,
+    quant_settings,
+    quantize_with_ranges,
+    twin_ranges,
+)
+from stages.quantize.weights import (
+    WeightRounder,
+    _4bit_weights,
+    _has_4bit_weights,
+    lut_input_encodings,
+    read_lut_inputs_quantized,
+    rewrite_weights,
+)
+from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
+from stages.sensitivity import sensitivity_samples
+
+
+# ---- the stage ----
+@dataclass
+class QuantizedGraphs:
+    paths: dict[str, Path]
+    kv_ranges: dict[str, list[float]]
+    boundary_ranges: dict[str, list[float]]
+    figures: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    weights: dict[str, Any] = field(default_factory=dict)  # WeightRounder.figures(), with its time
+
+
+def quantize_graphs(
+    cfg: PipelineConfig,
+    export_dir: Path,
+    out_dir: Path,
+    samples: list[list[int]],
+    decode_steps: int,
+    calibration_providers: list[str] | None = None,
+    method: str = "minmax",
+    stride: int | None = None,
+) -> QuantizedGraphs:
+    """Calibrate every graph (one chain pass per graph kind), then quantize, rewrite the weights to the
+    precision's scheme and audit each graph. The prefill pass also fixes the KV and cross-part ranges
+    that every graph shares, so prefill graphs are quantized before the decode pass runs."""
+    import shutil
+
+    import onnx
+    from tqdm import tqdm
+
+    from stages.runner import HostRunner
+
+    runner = HostRunner.from_export(export_dir, luts=True)
+    # The prefill kind calibrates on its twin when the export made one (calibration_ar).
+    twin = (
+        HostRunner.from_export(export_dir, luts=True, calibration_twin=True)
+        if calibration_kind(cfg)
+        else None
+    )
+    luts = read_report(export_dir)["figures"]["luts"]
+    result: QuantizedGraphs | None = None
+    progress = tqdm(
+        total=sum(len(g) for g in runner.graphs.values()), desc=f"quantize ({cfg.ple_policy})", unit="graph"
+    )
+    rounder: WeightRounder | None = None
+    for role in ("prefill", "decode"):
+        if role not in runner.graphs:
+            continue
+        # Scratch inside this stage's own folder (augmented graphs, ranges, links to the float graphs).
+        with tempfile.TemporaryDirectory(prefix=".calibration-", dir=out_dir) as tmp:
+            collector = RangeCollector() if role == "prefill" else None
+            chain = twin if twin is not None and role == "prefill" else runner
+            t0 = time.perf_counter()
+            calibrated = calibrate_kind(
+                cfg,
+                chain,
+                role,
+                samples,
+                decode_steps,
+                Path(tmp),
+                calibration_providers,
+                method,
+                stride,
+                collector,
+            )
+            share = (time.perf_counter() - t0) / len(calibrated)  # the pass's time, split evenly
+            if rounder is None and _has_4bit_weights(cfg):
+                # After the prefill calibration (its sessions released): Hessians, then every 4-bit
+                # weight rounded once (decode graphs hold the same weights), then the Hessians go.
+                t0 = time.perf_counter()
+                hessians = None
+                if cfg.weight_rounding == "gptq":
+                    watched = {w for _, src in chain.graphs["prefill"] for w in _4bit_weights(cfg, src)}
+                    hessians = collect_hessians(
+                        chain, samples[:HESSIAN_SAMPLES], watched, Path(tmp) / "hessians"
+                    )
+                rounder = WeightRounder(cfg, hessians)
+                del hessians  # round_all drops them when done
+                rounder.round_all([src for _, src in runner.graphs[role]])
+                share = cfg.decoder_scheme.int8_share
+                if share:
+                    rounder.measure(chain, sensitivity_samples(samples), Path(tmp) / "sensitivity")
+                    rounder.int8_weights = rounder.choose_int8(share)
+                rounding_s = time.perf_counter() - t0
+            if collector is not None:
+                ranges = collector.ranges()
+                result = QuantizedGraphs(
+                    paths={},
+                    kv_ranges={f"{k}_{layer}": list(v) for (k, layer), v in sorted(ranges.kv.items())},
+                    boundary_ranges={k: list(v) for k, v in sorted(ranges.boundary.items())},
+                )
+                if rounder is not None:
+                    result.weights = {**rounder.figures(), "rounding_s": round(rounding_s, 1)}
+            for spec, src in runner.graphs[role]:
+                t0 = time.perf_counter()
+                calibrated_on = spec.name
+                if chain is twin:
+                    twin_spec, twin_src = twin.graphs["prefill"][spec.part - 1]
+                    calibrated_on = twin_spec.name
+                    ranges_file, count, graph_stride_used = calibrated[twin_spec.name]
+                    ranges_file = twin_ranges(
+                        twin_src, src, ranges_file, Path(tmp) / f"{spec.name}.ranges.json"
+                    )
+                else:
+                    ranges_file, count, graph_stride_used = calibrated[spec.name]
+                model = onnx.load(str(src), load_external_data=False)
+                analysis = analyse(model)
+                io_names = {t.name for t in (*model.graph.input, *model.graph.output)}
+                del model
+                overrides, excluded = quant_settings(cfg, analysis, ranges, io_names, luts)
+                linked = copy_graph(src, Path(tmp) / spec.name / "quantize")
+                qcfg = qnn_config(
+                    linked, None, overrides, excluded, calibration_providers, method, graph_stride_used
+                )
+                dest = out_dir / qdq_file_name(spec.name)
+                quantize_with_ranges(linked, dest, qcfg, ranges_file)
+                shutil.rmtree(linked.parent)
+                if rounder is not None:
+                    rewrite_weights(cfg, src, dest, rounder)
+                qmodel = onnx.load(str(dest), load_external_data=False)
+                lut_inputs = lut_input_encodings(luts, {i.name for i in qmodel.graph.input})
+                if read_lut_inputs_quantized(qmodel, lut_inputs):
+                    # Weights stay where they are: an external-data graph keeps its references.
+                    onnx.save(qmodel, str(dest))
+                checked = audit(
+                    cfg, qmodel, analysis, lut_inputs, rounder.int8_weights if rounder else frozenset()
+                )
+                result.problems += [f"{spec.name}: {p}" for p in checked["problems"]]
+                result.paths[spec.name] = dest
+                result.figures.append(
+                    {
+                        "name": spec.name,
+                        "qdq_onnx": dest.name,
+                        "calibrated_on": calibrated_on,
+                        "calibration_calls": count,
+                        "calibration_stride": graph_stride_used,
+                        "quantize_s": round(share + time.perf_counter() - t0, 3),
+                        "kv_layers": sorted(f"{k}_{layer}" for k, layer in analysis.kv_groups),
+                        "audit": checked,
+                    }
+                )
+                progress.update()
+    progress.close()
+    assert result is not None  # every export has prefill graphs
+    return result
+
+
+def _quality(cfg, export_dir: Path, q: QuantizedGraphs, eval_samples, decode_steps) -> dict[str, Any]:
+    from stages.runner import HostRunner
+
+    fp = HostRunner.from_export(export_dir, luts=True)
+    quantized = HostRunner.from_export(
+        export_dir, luts=True, graph_dir=next(iter(q.paths.values())).parent, fold_weights=True
+    )
+    # Float logits from the twin when prefill is the only kind: the same chain computed AR rows per
+    # call (a held-out token is then 1/AR of a float call; the quantized side stays the shipped graphs).
+    one_kind = not cfg.separate_prefill_and_decode
+    fp_chain = (
+        HostRunner.from_export(export_dir, luts=True, calibration_twin=True)
+        if calibration_kind(cfg) and one_kind
+        else fp
+    )
+    chains = compare_chains(fp_chain, quantized, eval_samples, decode_steps)
+    prefill = {name: p for name, p in q.paths.items() if name.startswith("prefill")}
+    # One sample's first SQNR_TOKENS: the per-graph SQNR reruns the float chain up to each graph, which
+    # at AR-1 is a part call per token per graph (the whole tiny sample; a quarter of an E2B one).
+    return {**chains, "sqnr_db": output_sqnr(fp, prefill, [eval_samples[0][:SQNR_TOKENS]])}
+
+
+def _guarded(fn, *args):
+    """Turn a broken graph file into an error that says which export to redo."""
+    from google.protobuf.message import DecodeError
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidGraph, InvalidProtobuf
+
+    try:
+        return fn(*args)
+    except (DecodeError, Fail, InvalidGraph, InvalidProtobuf) as e:
+        raise QuantizeError(
+            f"an exported graph cannot be read ({e.__class__.__name__}: {str(e)[:200]}); "
+            "the exported/ folder is corrupt or from another export: run `make export` again"
+        ) from None
+
+
+def _providers(provider: str) -> list[str]:
+    """onnxruntime providers for calibration; ROCm only where an AMD GPU and the ROCm build are present."""
+    if provider == "cpu":
+        return ["CPUExecutionProvider"]
+    if provider != "rocm":
+        raise QuantizeError(f"--provider {provider!r} is not allowed; allowed values: cpu, rocm")
+    import onnxruntime as ort
+
+    if "ROCMExecutionProvider" not in ort.get_available_providers():
+        raise QuantizeError(
+            "--provider rocm: this onnxruntime has no ROCMExecutionProvider; run in the quant-rocm image "
+            "(make quantize QUANT_IMAGE=quant-rocm QUANT_ARGS=--provider=rocm) or use --provider cpu"
+        )
+    if not Path("/dev/kfd").exists():
+        raise QuantizeError(
+            "--provider rocm: no AMD GPU here (/dev/kfd is missing; pass --device /dev/kfd "
+            "--device /dev/dri to docker); use --provider cpu"
+        )
+    return ["ROCMExecutionProvider", "CPUExecutionProvider"]
+
+
+def run_quantize(
+    cfg: PipelineConfig,
+    workdir: Path,
+    checkpoint_dir: Path,
+    calibration_files: list[Path] | None = None,
+    compare_ple_policies: bool = False,
+    provider: str = "cpu",
+    method: str = "minmax",
+    stride: int | None = None,
+    compare_precisions: bool = False,
+) -> dict[str, Any]:
+    """The whole stage; returns the report. Bad input raises QuantizeError and leaves nothing."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from stages.calibration import load_texts, token_samples
+    from stages.chat import ChatTokenizer
+
+    calibration_providers = _providers(provider)
+    export_dir = output_dir(workdir, "export")
+    report = read_report(export_dir)
+    if report is None:
+        raise QuantizeError(
+            f"{export_dir} holds no finished export (no {REPORT_NAME}); run `make export` first"
+        )
+    missing = [g["onnx"] for g in report["figures"]["graphs"] if not (export_dir / g["onnx"]).is_file()]
+    if missing:
+        raise QuantizeError(
+            f"{export_dir} is incomplete: {', '.join(missing)} missing; run `make export` again"
+        )
+    check_inputs(workdir, [export_dir, checkpoint_dir], cfg)
+    from stages.checkpoint import Checkpoint
+
+    tok = ChatTokenizer(checkpoint_dir)
+    bos = Checkpoint(checkpoint_dir).geometry.config.get("bos_token_id", 2)
+    # A sample must fit the context the graphs were built for (whole prefill chunks); on a twin, whole
+    # twin calls (a padded row would widen ranges with values the shipped graphs never compute).
+    twin = calibration_kind(cfg)
+    ar = twin.ar if twin else cfg.prefill_ar
+    length = min(cfg.calibration_tokens, cfg.max_context - cfg.max_context % ar)
+    if twin:
+        length -= length % ar
+    texts = load_texts(cfg, "calibration", calibration_files)
+    samples = token_samples(texts, tok.encode, bos, cfg.calibration_samples, length)
+    eval_samples = token_samples(
+        load_texts(cfg, "heldout", None), tok.encode, bos, EVAL_SAMPLES, min(length, 512)
+    )
+    decode_steps = min(DECODE_CALIBRATION_STEPS, length // 2)
+    out_dir = output_dir(workdir, "quantize")
+    options = {"model": cfg.model, **{k: getattr(cfg, k) for k in stage_fields("quantize")}}
+    inputs = [export_dir / REPORT_NAME] + [export_dir / g["onnx"] for g in report["figures"]["graphs"]]
+    # QDQ graphs at the weight bits, plus one float graph's calibration copies at a time.
+    graph_bytes = [g["bytes"] for g in report["figures"]["graphs"]]
+    need = sum(graph_bytes) * cfg.precision_info.weight_bits // 32 + 2 * max(graph_bytes)
+    with stage_output("quantize", out_dir, inputs, options, root=workdir, need_bytes=need) as run:
+
+        def quantize_with(policy_cfg: PipelineConfig, out: Path) -> QuantizedGraphs:
+            return _guarded(
+                quantize_graphs,
+                policy_cfg,
+                export_dir,
+                out,
+                samples,
+                decode_steps,
+                calibration_providers,
+                method,
+                stride,
+            )
+
+        main = quantize_with(cfg, run.dir)
+        if main.problems:
+            raise QuantizeError("the quantized graphs break the rules: " + "; ".join(main.problems[:5]))
+        encodings: dict[str, set] = defaultdict(set)
+        for g in main.figures:
+            for key, found in g["audit"]["kv_encodings"].items():
+                encodings[key] |= {tuple(e) for e in found}
+        split = [k for k, v in encodings.items() if len(v) != 1]
+        if split:
+            raise QuantizeError(f"KV caches {', '.join(split)} differ in encoding between graphs")
+        quality = {cfg.ple_policy: _quality(cfg, export_dir, main, eval_samples, decode_steps)}
+        # The absolute floor (the preset's, for this precision): below it nothing is kept.
+        from stages.quality import below_floor
+
+        below = below_floor(cfg, quality[cfg.ple_policy])
+        if below:
+            raise QuantizeError(below)
+        if compare_ple_policies:
+            for policy in (p for p in ("float16", "int16", "int8") if p != cfg.ple_policy):
+                with tempfile.TemporaryDirectory(dir=run.dir) as tmp:
+                    other = quantize_with(dataclasses.replace(cfg, ple_policy=policy), Path(tmp))
+                    quality[policy] = {
+                        **_quality(cfg, export_dir, other, eval_samples, decode_steps),
+                        "audit_problems": other.problems,
+                    }
+                    shutil.rmtree(tmp, ignore_errors=True)
+        # The other precisions on the same exported graphs (cut for this precision: the cut points
+        # move nothing but which part a layer sits in), so the report ranks the weight schemes.
+        by_precision = {cfg.precision: quality[cfg.ple_policy]}
+        if compare_precisions:
+            from stages.precision import usable_precisions
+
+            for name in (p.name for p in usable_precisions(cfg.soc_info) if p.name != cfg.precision):
+                other_cfg = dataclasses.replace(cfg, precision=name, int8_percent="auto")
+                with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+                    other = quantize_with(other_cfg, Path(tmp))
+                    by_precision[name] = {
+                        **_quality(cfg, export_dir, other, eval_samples, decode_steps),
+                        "audit_problems": other.problems,
+                        "int8_percent": other_cfg.mixed_percent,
+                    }
+        run.figures.update(
+            {
+                "soc": cfg.soc,
+                "precision": cfg.precision,
+                "weight_scheme": cfg.decoder_scheme.name,
+                "lm_head_scheme": cfg.lm_head_scheme.name,
+                "weights": main.weights,
+                "quality_by_precision": by_precision,
+                "kv_cache_bits": cfg.kv_cache_bits,
+                "ple_policy": cfg.ple_policy,
+                "ple_lut_bits": report["figures"]["luts"].get("per_layer_embedding", {}).get("bits"),
+                "calibration": {
+                    "dataset": cfg.calibration_dataset,
+                    "files": [str(f) for f in calibration_files or []],
+                    "samples": len(samples),
+                    "tokens_per_sample": length,
+                    "decode_steps_per_sample": decode_steps,
+                    "tokens_per_call": ar,
+                    "on_twin": twin is not None,
+                    "method": method,
+                    "stride": stride,
+                },
+                "evaluation": {"samples": len(eval_samples), "tokens_per_sample": len(eval_samples[0])},
+                "kv_ranges": main.kv_ranges,
+                "boundary_ranges": main.boundary_ranges,
+                "graphs": main.figures,
+                "quality": quality,
+            }
+        )
+        write_quality_html(run.dir / "quality.html", run.figures)
+    return read_report(out_dir)
