@@ -358,16 +358,14 @@ def compile_(obj: Context, jobs: int | None) -> None:
 @click.pass_obj
 def bundle(obj: Context, check_manifest_path: Path | None) -> None:
     """The Genie bundle (binaries, LUTs, tokenizer, rendered configs, manifest) into genie_bundle/."""
-    from stages.runtimes.genie.bundle import check_manifest
-
+    runtime = get_runtime(obj.config.runtime)
     if check_manifest_path is not None:
         folder = check_manifest_path.parent
-        problems = check_manifest(folder, check_manifest_path)
+        problems = runtime.check_files(folder, check_manifest_path)
         if problems:
             raise UserError(f"{folder} does not match {check_manifest_path}: " + "; ".join(problems[:10]))
         click.echo(f"{folder} matches {check_manifest_path}")
         return
-    runtime = get_runtime()
     try:
         report = runtime.package(obj.config, obj.workdir, obj.checkpoint_dir())
     except RuntimeFailure as e:
@@ -435,9 +433,7 @@ def verify(
 ) -> None:
     """Check genie_bundle/ on the host: hashes, binaries vs config, the binaries under a Genie emulator
     vs transformers; into verify/."""
-    from stages.runtimes.genie.verify import Thresholds
-
-    runtime = get_runtime()
+    runtime = get_runtime(obj.config.runtime)
     try:
         report = runtime.check(
             obj.config,
@@ -446,7 +442,8 @@ def verify(
             prompt,
             max_new_tokens=max_new_tokens,
             engine=engine,
-            thresholds=Thresholds.with_overrides(min_prefix, min_top1),
+            min_prefix=min_prefix,
+            min_top1=min_top1,
         )
     except RuntimeFailure as e:
         raise UserError(str(e)) from None
@@ -500,7 +497,7 @@ def push(obj: Context) -> None:
 
     bundle_dir, serial, adb = _device_args(obj)
     sdk = os.environ.get("QNN_SDK_ROOT")
-    runtime = get_runtime()
+    runtime = get_runtime(obj.config.runtime)
     try:
         fig = runtime.push(bundle_dir, Path(sdk) if sdk else None, serial, adb)
     except RuntimeFailure as e:
@@ -523,7 +520,7 @@ def push(obj: Context) -> None:
 def run_(obj: Context, prompt: str) -> None:
     """Run PROMPT on the phone with genie-t2t-run; streams the answer and reports tokens/s."""
     bundle_dir, serial, adb = _device_args(obj)
-    runtime = get_runtime()
+    runtime = get_runtime(obj.config.runtime)
     try:
         fig = runtime.run(bundle_dir, prompt, serial, adb)
     except RuntimeFailure as e:
@@ -599,7 +596,7 @@ def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Pa
                 )
         result = make_plan(geo, cfg)
         layouts = make_layouts(geo, cfg)
-        refused = get_runtime().layout_problems(cfg, geo)
+        refused = get_runtime(cfg.runtime).layout_problems(cfg, geo)
         if refused:
             raise UserError(refused[0])
     except (GeometryError, PartitionError) as e:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from stages.pipeline import PIPELINE, STAGE_NAMES
+from stages.pipeline import PIPELINE, RUNTIMES, STAGE_NAMES
 from stages.precision import (
     DECODER_ROLE,
     INT4_CHANNEL,
@@ -114,6 +114,11 @@ class PipelineConfig:
     compiler: str = field(metadata=_meta("compile", "local (onnxruntime-qnn offline) or aihub (cloud)"))
     qairt_version: str = field(
         metadata=_meta("compile", "QAIRT major.minor the binaries are built with; the phone needs >= this")
+    )
+    runtime: str = field(
+        metadata=_meta(
+            "bundle", f"what runs the binaries on the phone (stages/runtimes/): {', '.join(RUNTIMES)}"
+        )
     )
     calibration_dataset: str = field(metadata=_meta("quantize", "wikitext-2-raw-v1, or files (local text)"))
     calibration_samples: int = field(metadata=_meta("quantize", "number of calibration sequences"))
@@ -362,6 +367,7 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
         )
     _at_least("num_shards", cfg.num_shards, 1)
     _one_of("compiler", cfg.compiler, COMPILERS)
+    _one_of("runtime", cfg.runtime, list(RUNTIMES))
     if not _QAIRT_VERSION.match(cfg.qairt_version):
         raise ConfigError("qairt_version", f"{cfg.qairt_version!r} is not a version like 2.51")
     _one_of("calibration_dataset", cfg.calibration_dataset, CALIBRATION_DATASETS)

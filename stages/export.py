@@ -179,7 +179,7 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     except (PartitionError, ValueError) as e:
         raise ExportError(str(e)) from None
     # After the graphs' own shape rules (a context too small for the window says so first).
-    refused = get_runtime().layout_problems(cfg, geo)
+    refused = get_runtime(cfg.runtime).layout_problems(cfg, geo)
     if refused:
         raise ExportError(refused[0])
     # The parts are cut here, so a part the compiler would refuse is refused before anything is built.

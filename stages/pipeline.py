@@ -72,6 +72,11 @@ PIPELINE: tuple[Stage, ...] = (
     ),
 )
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in PIPELINE)
+
+# The runtime table: name -> the package under stages/runtimes/ whose RUNTIME implements
+# stages.runtimes.Runtime (imported on first use). The config field `runtime` picks a row; the bundle
+# and verify stages and `make push` / `make run` are that runtime's.
+RUNTIMES: dict[str, str] = {"genie": "stages.runtimes.genie"}
 _BY_NAME = {s.name: s for s in PIPELINE}
 
 

@@ -4,7 +4,8 @@ that bundle on the host the way it will run it (the verify stage), and puts it o
 it (`make push`, `make run`).
 
 Genie (`stages/runtimes/genie/`) is the one there is. A second runtime is a package beside it whose
-`RUNTIME` implements `Runtime`, and a row in `RUNTIMES`.
+`RUNTIME` implements `Runtime`, and a row in the runtime table (`stages.pipeline.RUNTIMES`); the
+config field `runtime` picks one, and the CLI reaches a runtime only through `get_runtime`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from stages.pipeline import RUNTIMES
+
 if TYPE_CHECKING:
     from stages.config import PipelineConfig
     from stages.geometry import Geometry
-
-# name -> the package under stages/runtimes/ whose RUNTIME implements it (imported on first use).
-RUNTIMES: dict[str, str] = {"genie": "stages.runtimes.genie"}
 
 
 class RuntimeFailure(ValueError):
@@ -43,6 +43,10 @@ class Runtime(Protocol):
         self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path, prompt: str, **options: Any
     ) -> dict[str, Any]:
         """The verify stage: the bundle driven on the host as the runtime drives it; its report."""
+        ...
+
+    def check_files(self, folder: Path, manifest: Path) -> list[str]:
+        """A bundle folder against its manifest (`g4v69 bundle --check`): what differs, one line each."""
         ...
 
     def push(self, bundle_dir: Path, sdk_root: Path | None, serial: str | None, adb: str) -> dict[str, Any]:

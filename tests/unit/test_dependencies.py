@@ -38,6 +38,16 @@ RULES = [
     ("stages.runtimes", "stages.cli", "runtimes are driven by the CLI, never the other way"),
     ("stages.precision", "stages.config", "the precision table is stdlib-only and read by the config"),
     ("stages.soc", "stages.config", "the SoC table is read by the config, not the other way"),
+] + [
+    (m, "stages.runtimes.genie", "a runtime is reached through the registry (stages.runtimes.get_runtime)")
+    for m in (
+        "stages.cli",
+        "stages.export",
+        "stages.compile",
+        "stages.quantize",
+        "stages.plan",
+        "stages.config",
+    )
 ]
 
 

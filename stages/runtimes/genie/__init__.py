@@ -50,16 +50,22 @@ class GenieRuntime:
         self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path, prompt: str, **options: Any
     ) -> dict[str, Any]:
         """options: max_new_tokens, engine ("htp": the binaries on QNN's HTP emulation; "cpu": their
-        compiler inputs), thresholds (verify.Thresholds)."""
+        compiler inputs), min_prefix and min_top1 (None: verify.Thresholds' defaults)."""
         from stages.chat import ChatError
         from stages.checkpoint import CheckpointError
         from stages.runner import RunnerError
-        from stages.runtimes.genie.verify import VerifyError, run_verify
+        from stages.runtimes.genie.verify import Thresholds, VerifyError, run_verify
 
+        thresholds = Thresholds.with_overrides(options.pop("min_prefix", None), options.pop("min_top1", None))
         try:
-            return run_verify(cfg, workdir, checkpoint_dir, prompt, **options)
+            return run_verify(cfg, workdir, checkpoint_dir, prompt, thresholds=thresholds, **options)
         except (ChatError, CheckpointError, RunnerError) as e:
             raise VerifyError(str(e)) from None
+
+    def check_files(self, folder: Path, manifest: Path) -> list[str]:
+        from stages.runtimes.genie.bundle import check_manifest
+
+        return check_manifest(folder, manifest)
 
     def push(self, bundle_dir: Path, sdk_root: Path | None, serial: str | None, adb: str) -> dict[str, Any]:
         from stages.runtimes.genie.device import push_bundle
