@@ -91,12 +91,14 @@ class Context:
     def checkpoint_dir(self) -> Path:
         return output_dir(self.workdir, "download", self.config.checkpoint_name)
 
-    def stage_done(self, stage: str) -> None:
-        """Stamp a stage that has just finished (see the Makefile's stage rules): only on success,
-        keyed by the config, so a run with another config neither removes nor reuses it."""
-        out = output_dir(self.workdir, stage, self.config.checkpoint_name)
-        content = {"stage": stage, "config": stage_key(self.config, stage)}
-        write_stamp(self.workdir, stamp_name(self.config, stage), content, out / REPORT_NAME)
+    def download_done(self) -> None:
+        """Stamp a download that has just finished (see the Makefile's stage rules): only on success,
+        keyed by the config, so a run with another config neither removes nor reuses it. The other
+        stages stamp themselves as they write their output (report.StageJob); a checkpoint folder
+        is made without a config, for every config of its model."""
+        out = self.checkpoint_dir()
+        content = {"stage": "download", "config": stage_key(self.config, "download")}
+        write_stamp(self.workdir, stamp_name(self.config, "download"), content, out / REPORT_NAME)
 
 
 def _config_options(func):
@@ -157,7 +159,7 @@ def download(obj: Context, from_dir: Path | None) -> None:
         figures = run_download(cfg.model, cfg.model_revision, out, from_dir=from_dir)
     except (DownloadError, CheckpointError) as e:
         raise UserError(str(e)) from None
-    obj.stage_done("download")
+    obj.download_done()
     click.echo(
         f"{out}: {figures['files']} files, {figures['bytes'] / 1e9:.3f} GB, "
         f"{figures['text_params'] / 1e6:.1f} M text params ({figures['source']})"
@@ -188,7 +190,6 @@ def export(obj: Context) -> None:
         report = run_export(obj.config, obj.workdir, obj.checkpoint_dir())
     except (ExportError, CheckpointError) as e:
         raise UserError(str(e)) from None
-    obj.stage_done("export")
     fig = report["figures"]
     click.echo(
         f"{obj.workdir / 'exported'}: {len(fig['graphs'])} graphs over {len(fig['parts'])} parts, "
@@ -309,7 +310,6 @@ def quantize(
         )
     except (QuantizeError, CalibrationError, CheckpointError) as e:
         raise UserError(str(e)) from None
-    obj.stage_done("quantize")
     q = report["figures"]["quality"][obj.config.ple_policy]
     click.echo(
         f"{obj.workdir / 'quantized'}: {len(report['figures']['graphs'])} graphs; held-out top-1 agreement "
@@ -335,7 +335,6 @@ def compile_(obj: Context, jobs: int | None) -> None:
         report = run_compile(obj.config, obj.workdir, jobs)
     except CompileError as e:
         raise UserError(str(e)) from None
-    obj.stage_done("compile")
     fig = report["figures"]
     total = sum(b["bytes"] for b in fig["binaries"])
     # The binaries compile in child processes; the stage's own peak RSS misses theirs.
@@ -370,7 +369,6 @@ def bundle(obj: Context, check_manifest_path: Path | None) -> None:
         report = runtime.package(obj.config, obj.workdir, obj.checkpoint_dir())
     except RuntimeFailure as e:
         raise UserError(str(e)) from None
-    obj.stage_done("bundle")
     fig = report["figures"]
     click.echo(
         f"{obj.workdir / 'genie_bundle'}: {fig['name']}, {fig['files']} files, {fig['bytes'] / 1e6:.1f} MB; "

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.aihub import AihubError, compile_aihub
-from stages.config import PipelineConfig, stage_fields
+from stages.config import PipelineConfig
 from stages.contract import CACHE_PREFIX
 from stages.encoding import IoTensor, QdqGraph, prepare_io, shared_tensor_mismatches
 from stages.graphs import Binary, binary_layout, qdq_file_name
@@ -43,12 +43,11 @@ from stages.pipeline import output_dir
 from stages.quiet import call_without_native_noise
 from stages.report import (
     REPORT_NAME,
-    check_inputs,
+    StageJob,
     proc_field_bytes,
     process_peak_rss_bytes,
     read_report,
     sha256_file,
-    stage_output,
 )
 from stages.soc import Soc
 
@@ -388,14 +387,13 @@ def run_compile(
 
     soc = cfg.soc_info
     q_dir, q_report, sources = _load_quantized(cfg, workdir)
-    check_inputs(workdir, [q_dir], cfg)
+    job = StageJob("compile", cfg, workdir)
+    job.check([q_dir])
     layout = binary_layout(cfg)
-    out_dir = output_dir(workdir, "compile")
-    options = {"model": cfg.model, "soc": cfg.soc, **{k: getattr(cfg, k) for k in stage_fields("compile")}}
     inputs = [q_dir / REPORT_NAME, *sources.values()]
     # Prepared copies of the graphs, then binaries of about their size.
     need = 2 * sum(f.stat().st_size for s in sources.values() for f in s.parent.glob(f"{s.name}*"))
-    with stage_output("compile", out_dir, inputs, options, root=workdir, need_bytes=need) as run:
+    with job.output(inputs, need) as run:
         prepared_dir = run.dir / ".prepared"
         prepared_dir.mkdir()
         paths, models, encodings = prepare_graphs(sources, prepared_dir)
@@ -461,7 +459,7 @@ def run_compile(
                 "ple_policy": q_report["figures"]["ple_policy"],
             }
         )
-    return read_report(out_dir)
+    return read_report(job.out_dir)
 
 
 def _compile_all_local(soc: Soc, layout: list[Binary], paths: dict[str, Path], out: Path, workers: int, tqdm):

@@ -25,11 +25,10 @@ from typing import Any
 import numpy as np
 
 from stages.checkpoint import Checkpoint
-from stages.config import PipelineConfig, stage_fields
+from stages.config import PipelineConfig
 from stages.contract import ATTENTION_MASK_MIN, GraphSpec, graph_specs
 from stages.geometry import Geometry
-from stages.pipeline import output_dir
-from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
+from stages.report import REPORT_NAME, StageJob, read_report
 from stages.runner import LutSpec
 from stages.runtimes import get_runtime
 
@@ -170,7 +169,8 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
         raise ExportError(
             f"{checkpoint_dir} is not a complete download (no {REPORT_NAME}); run `make download` first"
         )
-    check_inputs(workdir, [checkpoint_dir], cfg)
+    job = StageJob("export", cfg, workdir)
+    job.check([checkpoint_dir])
     ckpt = Checkpoint(checkpoint_dir)
     geo = ckpt.geometry
     try:
@@ -191,15 +191,13 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     if missing:
         raise ExportError(f"{checkpoint_dir}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
 
-    out_dir = output_dir(workdir, "export")
-    options = {"model": cfg.model, **{k: getattr(cfg, k) for k in stage_fields("export")}}
     inputs = [checkpoint_dir / "config.json", *weight_files]
     from stages.decoder import matmul_layout, part_weight_names
 
     # Each graph holds its part's weights in float32 (E2B: 18.2 GB of graphs + 3.2 GB of LUTs).
     plan = make_plan(geo, cfg)
     need = 4 * sum(p.params for p in plan.parts) * len(specs) // len(parts) + sum(plan.luts.values())
-    with stage_output("export", out_dir, inputs, options, root=workdir, need_bytes=need) as run:
+    with job.output(inputs, need) as run:
         graphs: list[dict[str, Any]] = []
         progress = tqdm(total=len(specs), desc="export graphs", unit="graph")
         for p in range(len(parts)):
@@ -247,4 +245,4 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
                 "luts": {k: {**asdict(v), "path": f"luts/{v.path}"} for k, v in luts.items()},
             }
         )
-    return read_report(out_dir)
+    return read_report(job.out_dir)

@@ -467,6 +467,41 @@ def stage_output(
         os.close(lock)
 
 
+@dataclass
+class StageJob:
+    """The one way a config-driven stage runs (every stage but download, whose checkpoint folder serves
+    every config of its model): `check` its upstream outputs against the hashes and config their stages
+    recorded (first, before reading them), then write its `output` through stage_output with the config
+    fields it depends on (config.stage_key) as its options, and, once the output is in place, its stamp
+    for Make (a stage the table marks unstamped, a check, gets none)."""
+
+    name: str
+    cfg: PipelineConfig
+    workdir: Path
+
+    @property
+    def out_dir(self) -> Path:
+        from stages.pipeline import output_dir
+
+        return output_dir(self.workdir, self.name, self.cfg.checkpoint_name)
+
+    def check(self, paths: list[Path]) -> None:
+        check_inputs(self.workdir, paths, self.cfg)
+
+    @contextmanager
+    def output(self, inputs: list[Path], need_bytes: int = 0) -> Iterator[StageRun]:
+        from stages.config import stage_key, stamp_name
+        from stages.pipeline import stage
+
+        key = stage_key(self.cfg, self.name)
+        out = self.out_dir
+        with stage_output(self.name, out, inputs, key, root=self.workdir, need_bytes=need_bytes) as run:
+            yield run
+        if stage(self.name).stamped:
+            content = {"stage": self.name, "config": key}
+            write_stamp(self.workdir, stamp_name(self.cfg, self.name), content, out / REPORT_NAME)
+
+
 def write_stamp(workdir: Path, name: str, content: dict[str, Any], report: Path) -> None:
     """Record that a stage finished for one config: WORKDIR/.g4v69/<name>, dated like the stage's
     report (so Make sees the report as up to date), replacing the stage's stamps of other configs

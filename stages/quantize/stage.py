@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.config import PipelineConfig, stage_fields
+from stages.config import PipelineConfig
 from stages.gptq import collect_hessians
 from stages.graphs import calibration_kind, copy_graph, qdq_file_name
 from stages.pipeline import output_dir
@@ -38,7 +38,7 @@ from stages.quantize.weights import (
     read_lut_inputs_quantized,
     rewrite_weights,
 )
-from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
+from stages.report import REPORT_NAME, StageJob, read_report
 from stages.sensitivity import sensitivity_samples
 
 
@@ -276,7 +276,8 @@ def run_quantize(
         raise QuantizeError(
             f"{export_dir} is incomplete: {', '.join(missing)} missing; run `make export` again"
         )
-    check_inputs(workdir, [export_dir, checkpoint_dir], cfg)
+    job = StageJob("quantize", cfg, workdir)
+    job.check([export_dir, checkpoint_dir])
     from stages.checkpoint import Checkpoint
 
     tok = ChatTokenizer(checkpoint_dir)
@@ -294,13 +295,11 @@ def run_quantize(
         load_texts(cfg, "heldout", None), tok.encode, bos, EVAL_SAMPLES, min(length, 512)
     )
     decode_steps = min(DECODE_CALIBRATION_STEPS, length // 2)
-    out_dir = output_dir(workdir, "quantize")
-    options = {"model": cfg.model, **{k: getattr(cfg, k) for k in stage_fields("quantize")}}
     inputs = [export_dir / REPORT_NAME] + [export_dir / g["onnx"] for g in report["figures"]["graphs"]]
     # QDQ graphs at the weight bits, plus one float graph's calibration copies at a time.
     graph_bytes = [g["bytes"] for g in report["figures"]["graphs"]]
     need = sum(graph_bytes) * cfg.precision_info.weight_bits // 32 + 2 * max(graph_bytes)
-    with stage_output("quantize", out_dir, inputs, options, root=workdir, need_bytes=need) as run:
+    with job.output(inputs, need) as run:
 
         def quantize_with(policy_cfg: PipelineConfig, out: Path) -> QuantizedGraphs:
             return _guarded(
@@ -386,4 +385,4 @@ def run_quantize(
             }
         )
         write_quality_html(run.dir / "quality.html", run.figures)
-    return read_report(out_dir)
+    return read_report(job.out_dir)

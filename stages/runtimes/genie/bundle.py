@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from stages.config import PipelineConfig, stage_fields
+from stages.config import PipelineConfig
 from stages.contract import (
     CACHE_PREFIX,
     GENIE_LUT_DATATYPES,
@@ -38,7 +38,13 @@ from stages.contract import (
 from stages.encoding import COPY, Encoding, feed_mode, shared_tensor_mismatches
 from stages.geometry import FULL, SLIDING, Geometry
 from stages.pipeline import output_dir
-from stages.report import REPORT_NAME, check_inputs, copy_file, read_report, sha256_file, stage_output
+from stages.report import (
+    REPORT_NAME,
+    StageJob,
+    copy_file,
+    read_report,
+    sha256_file,
+)
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.files import GENIE_CONFIG, HTP_EXT_CONFIG, MANIFEST, TOKENIZER, TOKENIZER_CONFIG
 
@@ -413,7 +419,8 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     if export_report is None:
         raise BundleError(f"{export_dir} holds no finished export; run `make export` first")
     luts = [export_dir / v["path"] for v in export_report["figures"]["luts"].values()]
-    check_inputs(workdir, [compiled_dir, export_dir / REPORT_NAME, checkpoint_dir, *luts], cfg)
+    job = StageJob("bundle", cfg, workdir)
+    job.check([compiled_dir, export_dir / REPORT_NAME, checkpoint_dir, *luts])
     context = render_context(cfg, checkpoint_dir, export_report, compiled)
     genie = render("genie_config.json.j2", context)
     htp_ext = render("htp_backend_ext_config.json.j2", context)
@@ -452,17 +459,15 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
     tok_cfg["chat_template"] = join_adjacent_string_literals(chat_template(checkpoint_dir))
     download = read_report(checkpoint_dir) or {}
-    out_dir = output_dir(workdir, "bundle")
-    options = {"model": cfg.model, "soc": cfg.soc, **{k: getattr(cfg, k) for k in stage_fields("bundle")}}
     inputs = [compiled_dir / REPORT_NAME, export_dir / REPORT_NAME, *files.values()]
     need = sum(p.stat().st_size for p in files.values())
-    with stage_output("bundle", out_dir, inputs, options, root=workdir, need_bytes=need) as run:
+    with job.output(inputs, need) as run:
         for name, src in files.items():
             copy_file(src, run.dir / name)
         _write_json(run.dir / GENIE_CONFIG, genie)
         _write_json(run.dir / HTP_EXT_CONFIG, htp_ext)
         _write_json(run.dir / TOKENIZER_CONFIG, tok_cfg)
-        keep_readme = out_dir / "README.md"
+        keep_readme = job.out_dir / "README.md"
         if keep_readme.is_file():
             shutil.copy2(keep_readme, run.dir / "README.md")
         listed = sorted(p for p in run.dir.iterdir() if p.name not in (MANIFEST, REPORT_NAME, "README.md"))
@@ -504,7 +509,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
                 "genie_validator": "libGenie.so (onnxruntime-qnn)" if _has_genie() else "not available here",
             }
         )
-    return read_report(out_dir)
+    return read_report(job.out_dir)
 
 
 def _schema(name: str) -> dict[str, Any]:

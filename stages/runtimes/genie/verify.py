@@ -21,14 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from stages.config import PipelineConfig, stage_fields
+from stages.config import PipelineConfig
 from stages.contract import (
     GENIE_LUT_BYTES,
     GENIE_LUT_SECTION,
 )
 from stages.graphs import qdq_file_name
 from stages.pipeline import output_dir
-from stages.report import REPORT_NAME, check_inputs, read_report, stage_output
+from stages.report import REPORT_NAME, StageJob, read_report
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.bundle import check_manifest, config_vs_graphs
 from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST
@@ -241,7 +241,8 @@ def run_verify(
         raise VerifyError(f"{bundle_dir} holds no finished bundle; run `make bundle` first")
     # The compile and export reports are read too (the binaries' records, the graphs and LUTs).
     reports = [compiled_dir / REPORT_NAME, export_dir / REPORT_NAME]
-    check_inputs(workdir, [bundle_dir, quantized_dir, *reports, checkpoint_dir], cfg)
+    job = StageJob("verify", cfg, workdir)
+    job.check([bundle_dir, quantized_dir, *reports, checkpoint_dir])
     geo = Checkpoint(checkpoint_dir).geometry
     # A failed verify must not leave an earlier run's passing report behind.
     (output_dir(workdir, "verify") / REPORT_NAME).unlink(missing_ok=True)
@@ -316,10 +317,8 @@ def run_verify(
             + (f"; first disagreements: {ties[:3]}" if ties else "")
         )
 
-    out_dir = output_dir(workdir, "verify")
-    options = {"model": cfg.model, "soc": cfg.soc, **{k: getattr(cfg, k) for k in stage_fields("verify")}}
     inputs = [bundle_dir / MANIFEST, bundle_dir / REPORT_NAME]
-    with stage_output("verify", out_dir, inputs, options, root=workdir) as run:
+    with job.output(inputs) as run:
         run.figures.update(
             {
                 "bundle": json.loads((bundle_dir / MANIFEST).read_text())["name"],
@@ -364,4 +363,4 @@ def run_verify(
                 },
             }
         )
-    return read_report(out_dir)
+    return read_report(job.out_dir)
