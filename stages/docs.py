@@ -152,20 +152,21 @@ def slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def _outside_code(text: str) -> Iterable[str]:
+def _outside_code(text: str) -> Iterable[tuple[int, str]]:
+    """(line number, line) of every line outside fenced code blocks."""
     fenced = False
-    for line in text.splitlines():
+    for lineno, line in enumerate(text.splitlines(), 1):
         if line.lstrip().startswith("```"):
             fenced = not fenced
         elif not fenced:
-            yield line
+            yield lineno, line
 
 
 def anchors(path: Path) -> set[str]:
     """Every heading anchor of a markdown file, with GitHub's -1, -2 suffixes for repeats."""
     seen: dict[str, int] = {}
     found = set()
-    for line in _outside_code(path.read_text()):
+    for _, line in _outside_code(path.read_text()):
         m = _HEADING.match(line)
         if m:
             base = slug(m.group(2))
@@ -180,7 +181,7 @@ def dangling_links(files: Iterable[Path], repo: Path = REPO) -> list[str]:
     no heading of the markdown file it names."""
     bad = []
     for path in files:
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        for lineno, line in _outside_code(path.read_text()):
             for target in _LINK.findall(line):
                 if re.match(r"^[a-z]+:", target):  # https:, mailto:
                     continue
