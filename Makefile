@@ -142,7 +142,7 @@ unexport PROMPT
 export G4V69_PROMPT = $(value PROMPT)
 
 .PHONY: help images wheelhouse base-image lock $(STAGES) \
-  push run generate demo bench bench-quality plan doctor image-tag test test-unit test-container lint clean venv g4v69 FORCE \
+  push run generate demo bench bench-quality plan doctor image-tag test test-unit test-container lint docs clean venv g4v69 FORCE \
   $(addprefix image-,$(IMAGES))
 
 help: ## list the targets and variables
@@ -188,7 +188,7 @@ run: | $(call RUNNER_DEP,tools) ## run PROMPT on the phone with genie-t2t-run (a
 generate: $(call stage_report,export) | $(call RUNNER_DEP,export) ## run PROMPT through the exported graphs on the host
 	@$(call g4v69,export) generate
 # The tiny model knows Python docstrings only; a prompt from its domain (out of it, its first tokens are
-# near-ties that any 8-bit model may flip: see README "Verification").
+# near-ties that any 8-bit model may flip: see docs/verification.md).
 DEMO_PROMPT ?= Return the first element of a list.
 demo: ## the built-in tiny model through every stage to a verified bundle
 	$(MAKE) --no-print-directory verify PRESET=tiny PROMPT='$(DEMO_PROMPT)'
@@ -261,12 +261,14 @@ $(VENV)/.installed: docker/local/requirements.lock pyproject.toml
 	touch '$@'
 
 # ---- tests ----
-test: $(VENV)/.installed ## run the unit tests and the container tier (needs Docker; see README)
+test: $(VENV)/.installed ## run the unit tests and the container tier (needs Docker; see docs/testing.md)
 	'$(VENV)/bin/python' -m pytest $(PYTEST_ARGS)
 test-unit: $(VENV)/.installed ## run only the fast unit tests
 	'$(VENV)/bin/python' -m pytest -m 'not container' $(PYTEST_ARGS)
 lint: $(VENV)/.installed ## ruff over the package and tests
 	'$(VENV)/bin/ruff' check stages tests docker
+docs: ## rewrite the generated pages docs/make.md and docs/benchmarks.md, then check every docs link
+	$(PYTHON) -m stages.docs
 
 # Stage folders per checkpoint (checkpoints/) keep their contents; a folder the repository tracks (its
 # README.md) stays, emptied.

@@ -30,7 +30,7 @@ SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>")
 PAD_ID, EOS_ID, BOS_ID, UNK_ID, TURN_START_ID, TURN_END_ID = range(6)
 BYTE_OFFSET = len(SPECIAL_TOKENS)
 
-# Gemma 4's chat format (FACTS.md s.1). The adjacent string literals inside raise_exception(...) are
+# Gemma 4's chat format (docs/facts.md §1). The adjacent string literals inside raise_exception(...) are
 # deliberate: the real Gemma 4 template has them, Jinja2 accepts them, Genie's C++ engine (minja) does
 # not, so the bundle stage must fix them; the tiny model keeps the problem so that fix is tested.
 CHAT_TEMPLATE = (
@@ -130,7 +130,7 @@ def write_tokenizer_files(dest: Path, max_length: int) -> None:
     }
     _write_json(dest / "tokenizer_config.json", tokenizer_config)
     (dest / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    # An -it model ends its turn with <turn|>, so generation stops at eos or <turn|> (FACTS.md s.1).
+    # An -it model ends its turn with <turn|>, so generation stops at eos or <turn|> (docs/facts.md §1).
     _write_json(
         dest / "generation_config.json",
         {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, TURN_END_ID], "pad_token_id": PAD_ID},

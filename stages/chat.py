@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-# An -it model ends its turn with <turn|>, almost never with the bare <eos> (FACTS.md s.1).
+# An -it model ends its turn with <turn|>, almost never with the bare <eos> (docs/facts.md §1).
 END_OF_TURN = "<turn|>"
 
 

@@ -37,7 +37,7 @@ def stop_token_ids(checkpoint_dir: Path) -> list[int]:
     bundle's genie_config.json (and so `make run` on the phone), verify and the Genie emulator use.
 
     The union of generation_config.json's eos_token_id (the published E2B-it lists several), the text
-    config's eos_token_id and `<turn|>`, which ends an -it model's turn (FACTS.md s.1). Reads JSON only,
+    config's eos_token_id and `<turn|>`, which ends an -it model's turn (docs/facts.md §1). Reads JSON only,
     so it works in every image.
     """
     from stages.chat import END_OF_TURN, added_token_id

@@ -378,7 +378,7 @@ def bundle(obj: Context, check_manifest_path: Path | None) -> None:
 
 
 def _echo_bundle_limits(obj: Context) -> None:
-    """Which of the SoC table's memory limits the bundle just built meets (FACTS.md s.2)."""
+    """Which of the SoC table's memory limits the bundle just built meets (docs/facts.md §2)."""
     from stages.plan import built_limits, make_plan, render_limits
     from stages.report import read_report
 

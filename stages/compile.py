@@ -56,7 +56,7 @@ QUANTIZED_TYPES = {"uint8", "int8", "uint16", "int16"}
 # it are handed to onnxruntime as bytes: onnxruntime names the QNN graph after a hash of the model's
 # path when it has one, which would make binaries differ between work folders.
 EXTERNAL_DATA_BYTES = 1_900_000_000
-# Peak RSS of onnxruntime-qnn's HTP preparation per byte of graph weights (FACTS.md: a 455 MB graph
+# Peak RSS of onnxruntime-qnn's HTP preparation per byte of graph weights (docs/facts.md §4: a 455 MB graph
 # peaked at 2 GB), plus a fixed overhead; used to decide how many graphs compile at once.
 COMPILE_RSS_PER_WEIGHT_BYTE = 4.5
 COMPILE_RSS_OVERHEAD = 600 << 20

@@ -2,7 +2,7 @@
 
 Export builds its graphs from these specs, the export report records them, and the host runner,
 quantize overrides, compile input specs and the Genie config read them from that report. Names and
-layouts follow the Genie Gemma 4 contract (qai-hub-models 0.65 templates/gemma4, FACTS.md s.3):
+layouts follow the Genie Gemma 4 contract (qai-hub-models 0.65 templates/gemma4, docs/facts.md §3):
 
 - `inputs_embeds` (1,T,H) and `per_layer_inputs` (1,T,L,P) come from the host LUTs (first part).
 - `attention_mask` (1,1,T,C) and `swa_attention_mask` (1,1,T,W+T) are additive: 0 attends,

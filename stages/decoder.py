@@ -1,6 +1,6 @@
 """One part of the Gemma 4 text decoder as a static-shape torch module with the Genie I/O contract.
 
-Numerics follow transformers' Gemma4TextModel (FACTS.md s.1) with the caches turned into graph
+Numerics follow transformers' Gemma4TextModel (docs/facts.md §1) with the caches turned into graph
 inputs and outputs: keys are stored transposed (head_dim x slots) and after RoPE, so a cache slot
 never needs re-rotation; KV-shared layers read their donor's whole K/V; the per-layer-embedding
 projection runs in the first part; logit softcapping runs in the last. RMSNorm and tanh-GELU use the
@@ -158,7 +158,7 @@ class DecoderPart(nn.Module):
             self.per_layer_projection_norm = _holder(weights["per_layer_projection_norm.weight"])
         if spec.is_last:
             self.norm = _holder(weights["norm.weight"])
-            # An explicit, untied copy: quantization must see the lm_head as a weight (FACTS.md s.5).
+            # An explicit, untied copy: quantization must see the lm_head as a weight (docs/facts.md §5).
             self.lm_head = _holder(weights["embed_tokens.weight"])
         self.softcap = geo.config.get("final_logit_softcapping")
 

@@ -5,7 +5,7 @@ scale and an offset with real = (q + offset) * scale, so QNN's offset is minus O
 Genie's LUT sections (`embedding`, `perlayer-embedding`) use the same three fields.
 
 How Genie moves LUT rows into a graph input (read in Genie's public `qualla` source: the dialog's
-`calculateRequantEncodings`, `m_t2eCallbacks` and `requantEmbedding`; FACTS.md s.3):
+`calculateRequantEncodings`, `m_t2eCallbacks` and `requantEmbedding`; docs/facts.md §3):
 - the LUT's datatype, scale and offset equal the input's: the rows are copied byte for byte;
 - both fixed-point, 8 or 16 bit, same signedness: each value is requantized into the input's encoding;
 - float32 LUT into a float32 input: copied;

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Gemma 4 E2B text config, as in google/gemma-4-E2B-it's config.json (text_config); see FACTS.md s.1.
+# Gemma 4 E2B text config, as in google/gemma-4-E2B-it's config.json (text_config); see docs/facts.md §1.
 E2B_TEXT_CONFIG: dict[str, Any] = {
     "model_type": "gemma4_text",
     "vocab_size": 262144,

@@ -1,12 +1,13 @@
 """The quantization schemes: one row per precision, read by the quantize stage, its audit, the planner
-and the compile rules check.
+and the config check (which precisions a SoC runs). The compile stage reads the weight types
+from the quantized graphs themselves, never this table.
 
 A precision says how each kind of weight is stored (bits, per output channel or in blocks along the
 input dimension) and how wide activations are. The KV cache and the PLE paths have their own config
 fields (kv_bits, ple_policy); the lm_head is never below 8 bits (it is the tied embedding, and the
 logits are what the user sees).
 
-4-bit schemes (FACTS.md s.4; compiled with QAIRT 2.51 for soc 36 / v69):
+4-bit schemes (docs/facts.md §4; compiled with QAIRT 2.51 for soc 36 / v69):
 - int4 per output channel: DequantizeLinear on an INT4 initializer with `axis`, symmetric.
 - LPBQ (low-power block quantization): INT4 weights in blocks of `block_size` input rows (a whole
   column where it is shorter), each block's scale a 4-bit integer (1..LPBQ_BLOCK_SCALE_MAX) times a
@@ -93,8 +94,8 @@ class Precision:
     int8_percent: int = 0
     # Why the pipeline refuses this precision; empty when it runs end to end.
     not_built: str = ""
-    # 0 = most accurate. Ordered by the quality report on the trained tiny model (README, "Fitting
-    # the target"); the planner recommends the most accurate layout that fits.
+    # 0 = most accurate. Ordered by the quality report on the trained tiny model (docs/stages/quantize.md,
+    # "Quality of 4-bit weights"); the planner recommends the most accurate layout that fits.
     quality_rank: int = 0
 
     @property
@@ -132,7 +133,7 @@ PRECISIONS: dict[str, Precision] = {
         # LPBQ: its v69 binaries agree as closely (6 LSB). Ranked level with w4a16 as measured on the
         # tiny model, where a 64-row block is a whole column for most weights (held-out KL 0.072
         # against 0.076); E2B's columns get 24 or more blocks, unmeasured on real weights. Among equals
-        # the planner takes the smaller binaries, w4a16's (README, "Fitting the target").
+        # the planner takes the smaller binaries, w4a16's (docs/fitting.md, "Layouts").
         Precision(
             "w4a16-lpbq", INT4_LPBQ64, INT8_CHANNEL, activation_bits=16, needs_lpbq=True, quality_rank=2
         ),

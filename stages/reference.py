@@ -11,7 +11,7 @@ def transformers_model(checkpoint_dir: Path) -> Any:
     """Gemma4ForCausalLM (eager attention, float32, eval) with the checkpoint's text weights.
 
     Built from the text config and loaded tensor by tensor: `from_pretrained` on a multimodal
-    snapshot silently leaves every weight at its random init (FACTS.md section 1). The checkpoint's
+    snapshot silently leaves every weight at its random init (docs/facts.md §1). The checkpoint's
     tensors are taken as transformers' own loader takes them: tensors the model has no place for (the
     K/V weights some checkpoints keep for KV-shared layers) are dropped; a tensor of the wrong shape,
     which transformers refuses too, or a missing one is a CheckpointError naming them.

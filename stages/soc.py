@@ -3,9 +3,9 @@
 soc_model, dsp_arch and VTCM as in ExecuTorch's QNN backend (qc_schema.py _soc_info_table); AI Hub
 device names and chipset attributes as in qai-hub-models' device registry; weight sharing from
 v73 (qai-hub-models refuses it below hexagon 73). 16x16 activation matmul on v69 is documented as
-unsupported in FACTS.md but not confirmed by a Qualcomm document.
+unsupported in docs/facts.md §2 but not confirmed by a Qualcomm document.
 
-Memory limits (FACTS.md s.2; every figure carries its source in the row): the context-binary generator's
+Memory limits (docs/facts.md §2; every figure carries its source in the row): the context-binary generator's
 per-context estimated-allocation limit, the address space of one DSP process domain, and for each phone
 class a SoC ships in, the RAM a bundle may pin.
 
@@ -43,10 +43,10 @@ _ALLOC_V69 = Limit(
     "2097152 KB' (avisre/gemma4-snapdragon-npu docs/CHALLENGES.md, Galaxy S22 target; "
     "pytorch/executorch#17782 on v68)",
 )
-_ALLOC_V73 = Limit(3_670_016 * KIB, "v73+ context-binary generator logs: limit 3670016 KB (FACTS.md s.2)")
+_ALLOC_V73 = Limit(3_670_016 * KIB, "v73+ context-binary generator logs: limit 3670016 KB (docs/facts.md §2)")
 # Each cDSP process domain is a 32-bit virtual address space until v81 (which maps above 4 GB).
 _PD_32BIT = Limit(
-    4 * GIB, "Hexagon OS: a cDSP process domain is a 32-bit address space up to v79 (FACTS.md s.2)"
+    4 * GIB, "Hexagon OS: a cDSP process domain is a 32-bit address space up to v79 (docs/facts.md §2)"
 )
 
 
@@ -72,12 +72,12 @@ class PhoneClass:
         return f"{self.ram_gib} GB phone"
 
 
-# An estimate, not a measurement: FACTS.md s.2 puts a bundle's share of an 8 GB phone at roughly 5 GB.
+# An estimate, not a measurement: docs/facts.md §2 puts a bundle's share of an 8 GB phone at roughly 5 GB.
 # That is an Android reserve of about 3 GiB (kernel, zram, system services, launcher and the app
 # itself), which the same reserve carries to the larger phones. Only a phone can settle the real figure.
 _RESERVE = (
     "RAM minus a 3 GiB Android reserve (kernel, zram, system services, the app); "
-    "FACTS.md s.2 estimate ~5 GB on 8 GB"
+    "docs/facts.md §2 estimate ~5 GB on 8 GB"
 )
 PHONE_8GB = PhoneClass(8, 3, _RESERVE)
 PHONE_12GB = PhoneClass(12, 3, _RESERVE)

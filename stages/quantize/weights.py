@@ -162,7 +162,8 @@ def int4_lpbq(
     A column's float scale is its largest block's max-abs scale / LPBQ_BLOCK_SCALE_MAX; each block then
     takes the integer (1..LPBQ_BLOCK_SCALE_MAX) with the least squared error, not the nearest one: it
     clips where that helps, and a quiet block's coarse integer is picked for its error. On the trained
-    tiny model the search took held-out KL from 0.106 to 0.072 (README, "Fitting the target").
+    tiny model the search took held-out KL from 0.106 to 0.072 (before GPTQ; the 0.072 is in
+    docs/stages/quantize.md, "Quality of 4-bit weights").
     Columns are independent: spans of them go to threads, as int4_channel's do. With the input's
     `hessian` GPTQ picks the integers under those block scales."""
     from concurrent.futures import ThreadPoolExecutor

@@ -34,7 +34,7 @@ def test_image_runs_version_and_plan(images, name):
     p = make("g4v69", f"IMAGE={name}", "ARGS=plan --json")
     assert p.returncode == 0, p.stderr
     plan = json.loads(p.stdout)
-    # The default preset: 4 parts x one graph kind (AR-1; README "Fitting the target").
+    # The default preset: 4 parts x one graph kind (AR-1; docs/fitting.md).
     assert plan["soc"] == "SM8450" and len(plan["graphs"]) == 4
 
 

@@ -30,7 +30,7 @@ def test_make_quantize_tiny_with_the_local_runner(tmp_path):
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "quantized" / "report.json").read_text())
-    # default preset geometry: 4 parts x one graph kind (AR-1, README "Fitting the target")
+    # default preset geometry: 4 parts x one graph kind (AR-1, docs/fitting.md)
     assert len(report["figures"]["graphs"]) == 4
 
     # The default geometry (context 2048, AR-1, 4 parts, w4a16) compiles for v69: 4 binaries.

@@ -54,7 +54,8 @@ def test_4bit_weights_count_half_a_byte_each():
 
 
 def test_the_compiler_s_own_estimate_is_read_from_its_refusal():
-    # The message QNN's context-binary generator gave for Gemma 4 E2B on a Galaxy S22 target (FACTS.md s.2).
+    # The message QNN's context-binary generator gave for Gemma 4 E2B on a Galaxy S22 target
+    # (docs/facts.md §2).
     m = COMPILER_ESTIMATE.search(
         "ERROR: graph requires estimated allocation of 5404364 KB, limit is 2097152 KB"
     )

@@ -1,4 +1,4 @@
-"""The E2B figures must agree with shared/design/FACTS.md section 1 (counted there on the meta device)."""
+"""The E2B figures must agree with docs/facts.md §1 (counted there on the meta device)."""
 
 import itertools
 
@@ -27,7 +27,8 @@ def geo():
 
 
 def original(**overrides):
-    """The original plan's job (w8a16, AR-128 prefill + AR-1 decode): the figures FACTS.md gives."""
+    """The original plan's job (w8a16, AR-128 prefill + AR-1 decode): the figures docs/facts.md §1
+    and §4b give."""
     return load_config(overrides={"precision": "w8a16", "prefill_ar": 128, "decode_ar": 1, **overrides})
 
 
@@ -90,7 +91,7 @@ def test_decoder_at_int8_and_roofline_match_facts(geo):
     layers_only = sum(p.bytes for p in plan.parts) - 402_653_184  # minus the int8 lm_head
     assert approx(layers_only, 1.86e9 + 27.6e6 + 13.8e6, rel=0.02)  # PLE paths stay float16
     assert approx(plan.decode_bytes_per_token, 2.3e9, rel=0.03)
-    assert 21 <= plan.decode_tokens_per_s_ceiling <= 23  # FACTS: ~22 tok/s ceiling
+    assert 21 <= plan.decode_tokens_per_s_ceiling <= 23  # docs/facts.md §4b: ~22 tok/s ceiling
 
 
 def test_v69_plan_has_separate_binaries_and_warns(geo):

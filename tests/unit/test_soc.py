@@ -56,5 +56,5 @@ def test_every_memory_limit_carries_its_source(name):
 
 def test_an_8gb_galaxy_s22_may_pin_about_5_gb():
     phone = get_soc("SM8450").limits.phone(8)
-    assert phone.pinnable_bytes == 5 << 30  # FACTS.md s.2: roughly 5 GB of an 8 GB phone
-    assert "FACTS.md" in phone.derivation
+    assert phone.pinnable_bytes == 5 << 30  # docs/facts.md §2: roughly 5 GB of an 8 GB phone
+    assert "docs/facts.md" in phone.derivation

@@ -6,7 +6,7 @@ in the binaries' raw quantized form. Two engines run the graphs:
 
 - `htp`: the ctx-bins themselves, through onnxruntime-qnn's HTP backend, which emulates the target
   Hexagon (htp_arch and soc_model from htp_backend_ext_config.json) on x86: each binary is wrapped in
-  an EPContext model (FACTS.md s.4).
+  an EPContext model (docs/facts.md §4).
 - `cpu`: each binary's compiler input (the quantized QDQ graph with its boundary Q/DQ folded, exactly
   what the compile stage handed to the compiler) on onnxruntime's CPU EP; faster, for sizes where
   the emulation is too slow. It needs the work folder's quantized/ graphs.
