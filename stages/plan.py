@@ -781,6 +781,11 @@ def meets_targets(lay: LayoutPlan, cfg: PipelineConfig) -> bool:
 
 def rule_layout(layouts: list[LayoutPlan], cfg: PipelineConfig) -> LayoutPlan:
     """The layout LAYOUT_RULE picks for the config's targets; LayoutRuleError when none meets them."""
+    if cfg.ttft_prompt_tokens >= cfg.max_context:
+        raise LayoutRuleError(
+            f"ttft_prompt_tokens {cfg.ttft_prompt_tokens} leaves no room for a reply in max_context "
+            f"{cfg.max_context}; allowed values: 1..{cfg.max_context - 1}"
+        )
     meeting = [lay for lay in layouts if meets_targets(lay, cfg)]
     if meeting:
         return min(

@@ -9,8 +9,11 @@ Memory limits (FACTS.md s.2; every figure carries its source in the row): the co
 per-context estimated-allocation limit, the address space of one DSP process domain, and for each phone
 class a SoC ships in, the RAM a bundle may pin.
 
+HTP peak throughput (the plan's compute roofline) where a figure can be reached at all, marked as an
+estimate with how it was reached; rows without one are priced on memory bandwidth alone.
+
 Templates, the config validator, the planner and the compile rules check read these rows; nothing
-else may hard-code a soc_model, an HTP architecture, a capability or a memory limit.
+else may hard-code a soc_model, an HTP architecture, a capability, a memory limit or a peak figure.
 """
 
 from __future__ import annotations

@@ -312,6 +312,10 @@ def test_large_ars_turn_decode_compute_bound(geo):
             {"target_phone_ram_gb": 6},
             "target_phone_ram_gb 6 is not a phone class of SM8450; allowed values: 8, 12",
         ),
+        (
+            {"ttft_prompt_tokens": 2048},
+            "ttft_prompt_tokens 2048 leaves no room for a reply in max_context 2048",
+        ),
         # v68 runs no 4-bit weights, and w8a16 is over the 8 GB phone's budget.
         ({"soc": "SM8350", "precision": "w8a16"}, "no layout fits the 8 GB phone's memory budget"),
     ],
