@@ -935,7 +935,7 @@ def render_roofline(plan: Plan) -> list[str]:
     rows = [
         [
             f"{c.role} AR-{c.ar}" if c.role != "any" else f"  (at AR-{c.ar})",
-            f"{c.bytes / 1e9:.3f} GB",
+            _size(c.bytes),
             f"{c.ops / 1e9:,.1f} G",
             f"{c.memory_s * 1e3:.1f} ms",
             f"{c.compute_s * 1e3:.1f} ms" if c.compute_s is not None else "no figure",
