@@ -12,6 +12,8 @@ if [ "${COMPILER:-local}" = aihub ] && [ -z "${QAI_HUB_API_TOKEN:-}" ]; then
   echo "error: COMPILER=aihub needs the QAI_HUB_API_TOKEN secret" >&2
   exit 2
 fi
+# Disk and memory first: a runner without room fails here, not hours in.
+G4V69_SOC="${SOC:-}" G4V69_COMPILER="${COMPILER:-}" bash ci/check-runner.sh
 make images
 make plan
 make bundle

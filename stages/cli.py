@@ -575,7 +575,7 @@ def show_config(obj: Context, as_json: bool, get: str | None) -> None:
 def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Path | None) -> None:
     """Parameters, bytes per part and graph, LUTs, KV cache, device memory against the SoC's limits,
     a decode roofline, and the layouts (precision x graph kinds) side by side."""
-    from stages.plan import make_layouts, make_plan, render_plan
+    from stages.plan import LAYOUT_RULE, LayoutRuleError, make_layouts, make_plan, render_plan, rule_layout
 
     cfg = obj.config
     try:
@@ -600,10 +600,18 @@ def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Pa
     except (GeometryError, PartitionError) as e:
         raise UserError(str(e)) from None
     data = {"config": cfg.to_dict(), **result.to_dict(), "layouts": [asdict(lay) for lay in layouts]}
+    try:
+        data["layout_rule"] = {"rule": LAYOUT_RULE, "picks": rule_layout(layouts, cfg).name}
+    except LayoutRuleError as e:
+        data["layout_rule"] = {"rule": LAYOUT_RULE, "picks": None, "why": str(e)}
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(output, data)
-    click.echo(json.dumps(data, indent=2) if as_json else render_plan(result, layouts))
+    click.echo(json.dumps(data, indent=2) if as_json else render_plan(result, layouts, cfg))
+    try:
+        rule_layout(layouts, cfg)
+    except LayoutRuleError as e:
+        raise UserError(f"the layout rule: {e}") from None
 
 
 @main.command()

@@ -59,6 +59,11 @@ class ConfigError(ValueError):
 STAGES = STAGE_NAMES
 
 
+# Fields that no stage's output depends on: the layout rule's targets, which only `make plan` reads.
+# Changing one redoes nothing.
+PLAN_ONLY = "plan"
+
+
 def _meta(stage: str, doc: str) -> dict[str, str]:
     return {"stage": stage, "doc": doc}
 
@@ -152,6 +157,20 @@ class PipelineConfig:
     max_kl_divergence_w8: float = field(metadata=_meta("quantize", "held-out KL ceiling, 8-bit weights"))
     min_top1_agreement_w4: float = field(metadata=_meta("quantize", "held-out top-1 floor, 4-bit weights"))
     max_kl_divergence_w4: float = field(metadata=_meta("quantize", "held-out KL ceiling, 4-bit weights"))
+    # The layout rule's targets (stages/plan.py `rule_layout`): `make plan` names the layout that meets
+    # them within the phone's memory budget, and says so when the config's layout is another.
+    target_phone_ram_gb: int = field(
+        metadata=_meta(PLAN_ONLY, "layout rule: the phone class (GB of RAM) whose memory budget must hold")
+    )
+    ttft_prompt_tokens: int = field(
+        metadata=_meta(PLAN_ONLY, "layout rule: the prompt length the time-to-first-token target is for")
+    )
+    max_ttft_s: float = field(
+        metadata=_meta(PLAN_ONLY, "layout rule: estimated time to first token at most (seconds)")
+    )
+    min_decode_tokens_per_s: float = field(
+        metadata=_meta(PLAN_ONLY, "layout rule: estimated decode rate at least (tokens/s)")
+    )
 
     # ---- derived facts: computed, never stored in a preset ----
     @property
@@ -261,6 +280,11 @@ def model_name_from_dir(from_dir: str | Path) -> str:
 
 def field_doc(name: str) -> str:
     return next(f.metadata["doc"] for f in fields(PipelineConfig) if f.name == name)
+
+
+def plan_fields() -> list[str]:
+    """The config fields only `make plan` reads (no stage output depends on them)."""
+    return [f.name for f in fields(PipelineConfig) if f.metadata["stage"] == PLAN_ONLY]
 
 
 def stage_fields(stage: str) -> list[str]:
@@ -406,6 +430,12 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
             raise ConfigError(top1, f"{getattr(cfg, top1)} is out of range; allowed values: 0..1")
         if not 0 < getattr(cfg, kl) < math.inf:
             raise ConfigError(kl, f"{getattr(cfg, kl)} is out of range; allowed values: a number > 0")
+    # Only `make plan` reads these; a prompt longer than the context is the layout rule's to refuse.
+    _at_least("target_phone_ram_gb", cfg.target_phone_ram_gb, 1)
+    _at_least("ttft_prompt_tokens", cfg.ttft_prompt_tokens, 1)
+    for name in ("max_ttft_s", "min_decode_tokens_per_s"):
+        if not 0 < getattr(cfg, name) < math.inf:
+            raise ConfigError(name, f"{getattr(cfg, name)} is out of range; allowed values: a number > 0")
     if cfg.kv_bits == "16" and not soc.matmul_16x16:
         raise ConfigError(
             "kv_bits",
@@ -445,15 +475,12 @@ def load_config(
     return validate(PipelineConfig(**values))
 
 
-def main(argv: list[str], environ: dict[str, str]) -> str:
-    """`python3 -m stages.config --preset P [--<field> V]... [--from DIR]`: `model=M` (named after DIR
-    when no model is given), `checkpoint=C` (its folder name) and `<stage>=<stamp name>` for each stage
-    that has a stamp, on one line. The Makefile needs them to name its targets before any image exists
-    (this module is stdlib-only); it passes the same options as to `g4v69`, and G4V69_<FIELD> variables
-    count as they do for `g4v69`."""
+def options_config(argv: list[str], environ: dict[str, str], prog: str) -> PipelineConfig:
+    """The config that `--preset P [--<field> V]... [--from DIR]` and G4V69_<FIELD> variables name, as
+    `g4v69` reads them (the model is named after DIR when none is given). Stdlib only."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python3 -m stages.config")
+    parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--preset", default=environ.get("G4V69_PRESET") or DEFAULT_PRESET)
     parser.add_argument("--from", dest="from_dir")
     for name in FIELD_NAMES:
@@ -465,7 +492,16 @@ def main(argv: list[str], environ: dict[str, str]) -> str:
     overrides.update({k: v for k, v in args.items() if v is not None})
     if not overrides.get("model") and from_dir:
         overrides["model"] = model_name_from_dir(from_dir)
-    cfg = load_config(preset, overrides)
+    return load_config(preset, overrides)
+
+
+def main(argv: list[str], environ: dict[str, str]) -> str:
+    """`python3 -m stages.config --preset P [--<field> V]... [--from DIR]`: `model=M` (named after DIR
+    when no model is given), `checkpoint=C` (its folder name) and `<stage>=<stamp name>` for each stage
+    that has a stamp, on one line. The Makefile needs them to name its targets before any image exists
+    (this module is stdlib-only); it passes the same options as to `g4v69`, and G4V69_<FIELD> variables
+    count as they do for `g4v69`."""
+    cfg = options_config(argv, environ, "python3 -m stages.config")
     stamps = [f"{s.name}={stamp_name(cfg, s.name)}" for s in PIPELINE if s.stamped]
     return " ".join([f"model={cfg.model}", f"checkpoint={cfg.checkpoint_name}", *stamps])
 

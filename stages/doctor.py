@@ -37,22 +37,13 @@ def _modules(names: tuple[str, ...]) -> list[str]:
 
 
 def disk_need_bytes(cfg: PipelineConfig) -> int | None:
-    """Rough disk a full run needs: checkpoint (bf16), fp32 export, quantized, binaries, bundle."""
+    """Rough disk a full run needs (the plan's job_disk_bytes), None without a built-in geometry."""
     geo = builtin_geometry(cfg.model)
     if geo is None:
         return None
-    from stages.graphs import calibration_kind
     from stages.plan import make_plan
 
-    plan = make_plan(geo, cfg)
-    checkpoint = geo.total_params * 2
-    exported = plan.params["in_graphs"] * 4 + sum(plan.luts.values())
-    if calibration_kind(cfg):  # the calibration twins: one more float copy of every part
-        exported += 4 * sum(p.params for p in plan.parts)
-    quantized = sum(p.bytes for p in plan.parts) * 2
-    compiled = sum(g.bytes for g in plan.graphs)
-    bundle = compiled + sum(plan.luts.values())
-    return checkpoint + exported + quantized + compiled + bundle
+    return make_plan(geo, cfg).job_disk_bytes
 
 
 def run_checks(cfg: PipelineConfig, workdir: Path) -> list[Check]:

@@ -13,17 +13,31 @@ Memory is priced three ways, against the three limits of the SoC table:
 - mapped: the sum of every binary's estimated allocation, what Genie maps when it loads every
   ctx-bin, against one DSP process domain's 32-bit address space.
 - pinned: binaries + LUTs + KV cache, against the RAM a bundle may pin on each phone class.
+
+Speed is priced as a roofline per graph kind: one call through every part reads its weights, I/O (KV
+cache included) and LUT rows from DRAM and computes 2 x AR x weights plus attention operations; it
+takes at least the longer of bytes / bandwidth and operations / the HTP's peak (SoC table, estimates).
+Decode tokens/s, prefill tokens/s and time to first token follow from how Genie calls each layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import asdict, dataclass, field
 
 from stages.config import PipelineConfig
 from stages.contract import GENIE_LUT_LIMIT_BYTES
 from stages.geometry import EMBEDDING, FULL, LINEAR, NORM, PLE, Geometry, Tensor
-from stages.graphs import binary_layout, graph_kinds, graph_name, part_name, partition_layers, past_len
+from stages.graphs import (
+    GraphKind,
+    binary_layout,
+    graph_kinds,
+    graph_name,
+    part_name,
+    partition_layers,
+    past_len,
+)
 from stages.precision import DECODER_ROLE, LM_HEAD_ROLE, NORM_ROLE, PLE_ROLE, WeightScheme, usable_precisions
 
 GIB = 1 << 30
@@ -32,6 +46,25 @@ MIB = 1 << 20
 EMBEDDING_LUT_BITS = 16
 # A geometry tensor's kind -> the role whose storage rule it follows (the embedding is the tied lm_head).
 KIND_ROLES = {LINEAR: DECODER_ROLE, EMBEDDING: LM_HEAD_ROLE, PLE: PLE_ROLE, NORM: NORM_ROLE}
+
+# How Genie holds the LUT files, read from its public source (qualla, QAIRT 2.4x): the "lut" encoder
+# (qualla encoders/LUT.cpp, LUT::LUT) loads `lut-path` through genie::ResourceManager::getBuffer
+# (ResourceManager.cpp), which for a file allocates `new uint8_t[file size]` and fills it with
+# std::ifstream::read (readBinaryFromFile); only a DLC record ("record://") is memory-mapped. So a
+# LUT is resident whole, not just its touched rows, and the plan counts it whole.
+LUT_RESIDENCY = (
+    "read whole into a heap buffer at load: Genie's qualla LUT encoder (encoders/LUT.cpp, LUT::LUT) "
+    "calls genie::ResourceManager::getBuffer (ResourceManager.cpp), which for a file allocates "
+    "new uint8_t[file size] and fills it with std::ifstream::read; only DLC records are mmapped. The "
+    "perlayer-embedding section has the same {type lut, lut-path} form; its loader was not found in "
+    "the public source, so it is counted the same way"
+)
+# Genie's newest Dialog (qualla dialog.cpp requantEmbedding, the "leq_v2" feature) unpacks a
+# QNN_DATATYPE_UFIXED_POINT_4 LUT two entries per byte: what a 4-bit per-layer LUT would pin.
+PLE_LUT_4BIT_NOTE = (
+    "not built: Genie's newest Dialog unpacks UFIXED_POINT_4 LUTs (qualla dialog.cpp requantEmbedding); "
+    "whether perlayer-embedding takes one, and the quality cost, are unmeasured"
+)
 
 
 @dataclass
@@ -95,6 +128,31 @@ class LimitCheck:
 
 
 @dataclass
+class CallCost:
+    """One call of a graph kind through every part, at best on this SoC: bytes read from DRAM
+    (weights, I/O with the KV cache, spill-fill written and read back, LUT rows) and operations
+    (2 per multiply-accumulate); its time is the longer of the memory time and the compute time."""
+
+    role: str
+    ar: int
+    bytes: int
+    ops: int
+    memory_s: float
+    compute_s: float | None  # None: the SoC table has no compute figure (memory time alone)
+
+    @property
+    def seconds(self) -> float:
+        return max(self.memory_s, self.compute_s or 0.0)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if (self.compute_s or 0.0) > self.memory_s else "memory"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "seconds": self.seconds, "bound": self.bound}
+
+
+@dataclass
 class Plan:
     model: str
     soc: str
@@ -102,6 +160,7 @@ class Plan:
     precision: str
     weight_scheme: str
     kv_cache_bits: int
+    max_context: int
     params: dict[str, int]
     parts: list[PartPlan]
     graphs: list[GraphPlan]
@@ -115,13 +174,24 @@ class Plan:
     mapped_bytes: int  # every binary's estimated allocation, one process domain
     four_bit_weight_bytes: int  # 4-bit weights in all binaries: what unpacking them to 8 bits adds
     limits: list[LimitCheck]
-    decode_bytes_per_token: int
+    decode_bytes_per_token: int  # one decode call: every part's weights, I/O and KV, LUT rows
     decode_tokens_per_s_ceiling: float
     bandwidth: dict
+    calls: list[CallCost]  # the roofline of one call per graph kind
+    calls_by_ar: list[CallCost]  # the same at each AR of the layout table, at this precision
+    compute: dict  # the SoC's HTP peak figures with their source ({} when the table has none)
+    prefill_tokens_per_s: float
+    ttft_s: dict[int, float]  # prompt tokens -> estimated time to first token
+    lut_residency: str
+    per_layer_lut_4bit_bytes: int  # the per-layer LUT at 4 bits: priced, not built
+    job_disk_bytes: int  # what a full run of this config writes to WORKDIR, roughly
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["calls"] = [c.to_dict() for c in self.calls]
+        d["calls_by_ar"] = [c.to_dict() for c in self.calls_by_ar]
+        return d
 
     def fits(self, phone_ram_gib: int) -> bool:
         """Every SoC limit met, and the phone budget of a phone with this much RAM."""
@@ -224,6 +294,77 @@ def graph_allocation(
     return Allocation(weights=weights, io=io, intermediates=intermediates, spill_fill=spill_fill)
 
 
+def lut_row_bytes(geo: Geometry, cfg: PipelineConfig) -> int:
+    """What Genie copies out of the LUTs per token: one embedding row and one per-layer row."""
+    row = geo.hidden_size * EMBEDDING_LUT_BITS // 8
+    if geo.ple_table is not None:
+        row += geo.ple_table.shape[1] * cfg.ple_lut_bits // 8
+    return row
+
+
+def attention_ops(geo: Geometry, cfg: PipelineConfig, ar: int) -> int:
+    """Operations of Q.K^T and probabilities.V in every layer at AR tokens per call, over every cache
+    slot the static-shape graph reads (a masked slot costs what a used one does)."""
+    total = 0
+    for layer in geo.layers:
+        span = past_len(geo, layer.attention, cfg, ar) + ar
+        total += 2 * 2 * ar * span * geo.num_attention_heads * layer.head_dim
+    return total
+
+
+def call_cost(
+    geo: Geometry, cfg: PipelineConfig, kind: GraphKind, params: int, allocations: list[Allocation]
+) -> CallCost:
+    """The roofline of one call of a graph kind through every part (`allocations`: its graphs', one
+    per part; `params`: the weights in the graphs, each one multiply-accumulate per row)."""
+    soc = cfg.soc_info
+    read = sum(a.weights + a.io + 2 * a.spill_fill for a in allocations) + kind.ar * lut_row_bytes(geo, cfg)
+    ops = 2 * kind.ar * params + attention_ops(geo, cfg, kind.ar)
+    compute_s = None
+    if soc.compute is not None:
+        compute_s = ops / soc.compute.ops_per_s(cfg.precision_info.activation_bits)
+    return CallCost(kind.role, kind.ar, read, ops, read / (soc.memory.gb_per_s * 1e9), compute_s)
+
+
+def prompt_seconds(calls: list[CallCost], tokens: int) -> float:
+    """How long Genie takes over a prompt (qualla KVCache/kvmanager.cpp prepareInferenceStrategy):
+    the smallest AR >= the tokens, else the largest, in chunks of that AR, the last one padded. The
+    last call's logits give the first token, so this is the time to first token."""
+    by_ar = {c.ar: c for c in calls}
+    ar = min((a for a in by_ar if a >= tokens), default=max(by_ar))
+    return math.ceil(tokens / ar) * by_ar[ar].seconds
+
+
+# Prompt lengths the plan prices the time to first token for (the config's own is added).
+TTFT_PROMPTS = (128, 512, 2048)
+
+
+def ttft_prompts(cfg: PipelineConfig) -> list[int]:
+    return sorted({*TTFT_PROMPTS, cfg.ttft_prompt_tokens})
+
+
+def job_disk_bytes(
+    geo: Geometry,
+    cfg: PipelineConfig,
+    parts: list[PartPlan],
+    graphs: list[GraphPlan],
+    luts: dict[str, int],
+    in_graphs: int,
+) -> int:
+    """Rough disk a full run writes to WORKDIR: checkpoint (bf16), float32 export (with the calibration
+    twins), quantized graphs (QDQ ONNX and their weights), binaries, bundle."""
+    from stages.graphs import calibration_kind
+
+    checkpoint = geo.total_params * 2
+    exported = in_graphs * 4 + sum(luts.values())
+    if calibration_kind(cfg):  # the calibration twins: one more float copy of every part
+        exported += 4 * in_graphs
+    quantized = sum(p.bytes for p in parts) * 2
+    compiled = sum(g.bytes for g in graphs)
+    bundle = compiled + sum(luts.values())
+    return checkpoint + exported + quantized + compiled + bundle
+
+
 def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
     soc = cfg.soc_info
     head, tail = part_extras(geo)
@@ -303,13 +444,24 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
     device = sum(b.weight_bytes for b in binaries) + host_side
     mapped = sum(b.estimated_allocation for b in binaries)
 
-    # Decode reads every weight of every part once per token, the whole KV cache at full context,
-    # and one row of each LUT.
-    lut_rows = geo.hidden_size * EMBEDDING_LUT_BITS // 8
-    if geo.ple_table is not None:
-        lut_rows += geo.ple_table.shape[1] * cfg.ple_lut_bits // 8
-    per_token = shared + kv + lut_rows
-    tokens_per_s = soc.memory.gb_per_s * 1e9 / per_token
+    # Each graph kind's call reads every part's weights and I/O (the KV cache at full context); the
+    # smallest AR decodes (one token per call), the largest takes the prompt.
+    in_graphs = sum(p.params for p in parts)
+
+    def calls_at(kind: GraphKind) -> CallCost:
+        names = [graph_name(kind, i, len(parts)) for i in range(1, len(parts) + 1)]
+        allocs = [
+            allocations[n]
+            if n in allocations
+            else graph_allocation(geo, cfg, r, i == len(parts), kind.ar, p.bytes)
+            for i, (n, r, p) in enumerate(zip(names, bounds, parts, strict=True), start=1)
+        ]
+        return call_cost(geo, cfg, kind, in_graphs, allocs)
+
+    calls = [calls_at(kind) for kind in graph_kinds(cfg)]
+    decode = min(calls, key=lambda c: c.ar)
+    prefill = max(calls, key=lambda c: c.ar)
+    by_ar = [calls_at(GraphKind("any", ar)) for ar in LAYOUT_ARS if ar < cfg.max_context]
 
     param_counts = {
         "total": geo.total_params,
@@ -317,7 +469,7 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
         "per_layer_embedding_table": geo.ple_table.numel if geo.ple_table else 0,
         "ple_projection": sum(t.numel for t in geo.ple_projection),
         "decoder_layers": sum(layer.numel for layer in geo.layers),
-        "in_graphs": sum(p.params for p in parts),
+        "in_graphs": in_graphs,
     }
 
     four_bit *= len(binaries) // len(parts)  # each part's weights are stored this many times
@@ -345,6 +497,7 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
         precision=cfg.precision,
         weight_scheme=cfg.decoder_scheme.name,
         kv_cache_bits=cfg.kv_cache_bits,
+        max_context=cfg.max_context,
         params=param_counts,
         parts=parts,
         graphs=graphs,
@@ -358,9 +511,17 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
         mapped_bytes=mapped,
         four_bit_weight_bytes=four_bit,
         limits=limits,
-        decode_bytes_per_token=per_token,
-        decode_tokens_per_s_ceiling=round(tokens_per_s, 1),
+        decode_bytes_per_token=decode.bytes,
+        decode_tokens_per_s_ceiling=round(1 / decode.seconds, 1),
         bandwidth={"gb_per_s": soc.memory.gb_per_s, "dram": soc.memory.dram, "source": soc.memory.source},
+        calls=calls,
+        calls_by_ar=by_ar,
+        compute=asdict(soc.compute) if soc.compute else {},
+        prefill_tokens_per_s=round(prefill.ar / prefill.seconds, 1),
+        ttft_s={n: prompt_seconds(calls, n) for n in ttft_prompts(cfg)},
+        lut_residency=LUT_RESIDENCY,
+        per_layer_lut_4bit_bytes=geo.ple_table.numel // 2 if geo.ple_table is not None else 0,
+        job_disk_bytes=job_disk_bytes(geo, cfg, parts, graphs, luts, in_graphs),
         warnings=warnings,
     )
 
@@ -466,9 +627,10 @@ def limit_checks(
 
 
 # ---- layouts side by side ----
-# The prefill AR the layout table prices when the config itself has one graph kind: Genie's own
-# bundles pair AR-128 with AR-1 (qai-hub-models; qualla's variant choice makes a third AR useless).
-LAYOUT_PREFILL_AR = 128
+# The ARs the layout table prices: one graph kind at each, and each above 1 as a separate prefill kind
+# beside an AR-1 decode kind. Genie's own bundles pair AR-128 with AR-1 (qai-hub-models); qualla's
+# variant choice (smallest AR >= the tokens, else the largest) makes a third kind useless.
+LAYOUT_ARS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 # How Genie runs each layout (qualla KVCache/kvmanager.cpp prepareInferenceStrategy: it picks the
 # smallest AR >= the tokens to process, else the largest, and pads the last chunk on that graph).
@@ -477,7 +639,16 @@ GENIE_ONE_KIND_SMALL = (
     "every prompt token is its own AR-{d} call: time to first token = prompt length / decode rate"
 )
 GENIE_ONE_KIND_LARGE = (
-    "each new token is an AR-{p} call with 1 of {p} rows used: {p}x the compute per decoded token"
+    "prompt in AR-{p} chunks; each new token is an AR-{p} call with 1 of {p} rows used ({p}x the "
+    "compute per decoded token)"
+)
+
+# The layout rule, stated once: `rule_layout` applies it, `make plan` prints it.
+LAYOUT_RULE = (
+    "among the layouts the runtime accepts that fit every memory limit of the target phone and meet "
+    "both targets (estimated time to first token and decode rate): the most accurate precision; then "
+    "the least compute per decoded token (the smallest decode AR); then the smallest prefill AR; then "
+    "the least pinned memory"
 )
 
 
@@ -493,6 +664,9 @@ class LayoutPlan:
     mapped_bytes: int
     pinned_bytes: int
     decode_tokens_per_s_ceiling: float
+    decode_bound: str  # "memory" or "compute"
+    prefill_tokens_per_s: float
+    ttft_s: dict[int, float]  # prompt tokens -> estimated time to first token
     quality_rank: int
     limits: dict[str, bool]
     genie: str
@@ -500,19 +674,24 @@ class LayoutPlan:
     is_config: bool
 
 
-def layout_configs(cfg: PipelineConfig) -> list[tuple[PipelineConfig, str]]:
-    """The config at every built precision the SoC runs, each with separate prefill and decode graphs
-    and with one graph kind per part (at the decode AR, and at the prefill AR)."""
-    d = cfg.decode_ar
-    p = cfg.prefill_ar if cfg.separate_prefill_and_decode else min(LAYOUT_PREFILL_AR, cfg.max_context // 2)
+def layout_configs(geo: Geometry, cfg: PipelineConfig) -> list[tuple[PipelineConfig, str]]:
+    """The config at every built precision the SoC runs, in one graph kind per part at each AR of
+    LAYOUT_ARS and with separate prefill (each AR above 1) and AR-1 decode graphs, plus the config's
+    own layout; only layouts the runtime accepts for this model (`Runtime.layout_problems`)."""
+    from stages.runtimes import get_runtime
+
+    runtime = get_runtime()
+    ars = [ar for ar in LAYOUT_ARS if ar < cfg.max_context]
+    pairs = {(ar, ar) for ar in ars} | {(ar, 1) for ar in ars if ar > 1} | {(cfg.prefill_ar, cfg.decode_ar)}
     out = []
     for prec in usable_precisions(cfg.soc_info):
         base = dataclasses.replace(cfg, precision=prec.name)
-        kinds = [(d, d, GENIE_ONE_KIND_SMALL)]
-        if p > d:
-            kinds = [(p, d, GENIE_SEPARATE), *kinds, (p, p, GENIE_ONE_KIND_LARGE)]
-        for pa, da, how in kinds:
-            out.append((dataclasses.replace(base, prefill_ar=pa, decode_ar=da), how.format(p=pa, d=da)))
+        for pa, da in sorted(pairs, key=lambda pd: (pd[0] == pd[1], pd[0])):
+            variant = dataclasses.replace(base, prefill_ar=pa, decode_ar=da)
+            if runtime.layout_problems(variant, geo):
+                continue
+            how = GENIE_SEPARATE if pa != da else GENIE_ONE_KIND_SMALL if pa == 1 else GENIE_ONE_KIND_LARGE
+            out.append((variant, how.format(p=pa, d=da)))
     return out
 
 
@@ -524,9 +703,10 @@ def _layout_name(cfg: PipelineConfig) -> str:
 
 def make_layouts(geo: Geometry, cfg: PipelineConfig) -> list[LayoutPlan]:
     out = []
-    for variant, how in layout_configs(cfg):
+    for variant, how in layout_configs(geo, cfg):
         plan = make_plan(geo, variant)
         phones = [c.phone_ram_gib for c in plan.limits if c.phone_ram_gib]
+        decode = min(plan.calls, key=lambda c: c.ar)
         out.append(
             LayoutPlan(
                 name=_layout_name(variant),
@@ -539,6 +719,9 @@ def make_layouts(geo: Geometry, cfg: PipelineConfig) -> list[LayoutPlan]:
                 mapped_bytes=plan.mapped_bytes,
                 pinned_bytes=plan.device_bytes,
                 decode_tokens_per_s_ceiling=plan.decode_tokens_per_s_ceiling,
+                decode_bound=decode.bound,
+                prefill_tokens_per_s=plan.prefill_tokens_per_s,
+                ttft_s=plan.ttft_s,
                 quality_rank=variant.precision_info.quality_rank,
                 limits={c.limit: c.meets for c in plan.limits},
                 genie=how,
@@ -551,14 +734,72 @@ def make_layouts(geo: Geometry, cfg: PipelineConfig) -> list[LayoutPlan]:
 
 
 def recommended_layout(layouts: list[LayoutPlan], phone_ram_gib: int) -> LayoutPlan | None:
-    """The most accurate layout that fits a phone with this much RAM; among equals, separate prefill
-    and decode graphs (fast prompts and fast decoding), then one kind at the decode AR (fast decoding),
-    then the smaller binaries (int4 per channel over LPBQ, which ranks level with it)."""
+    """The most accurate layout that fits a phone with this much RAM, whatever its speed; among
+    equals, separate prefill and decode graphs (fast prompts and fast decoding), then one kind at
+    the smallest AR (least compute per decoded token), then the smaller binaries (int4 per channel
+    over LPBQ, which ranks level with it)."""
     fitting = [lay for lay in layouts if lay.fits.get(phone_ram_gib)]
     if not fitting:
         return None
     return min(
         fitting, key=lambda lay: (lay.quality_rank, -lay.graph_kinds, lay.prefill_ar, lay.binaries_bytes)
+    )
+
+
+class LayoutRuleError(ValueError):
+    """No priced layout meets the config's layout targets; the message says how close they come."""
+
+
+def _targets(cfg: PipelineConfig) -> str:
+    return (
+        f"time to first token <= {cfg.max_ttft_s:g} s for a {cfg.ttft_prompt_tokens}-token prompt and "
+        f">= {cfg.min_decode_tokens_per_s:g} decoded tokens/s within the {cfg.target_phone_ram_gb} GB "
+        "phone's memory budget"
+    )
+
+
+def meets_targets(lay: LayoutPlan, cfg: PipelineConfig) -> bool:
+    return (
+        bool(lay.fits.get(cfg.target_phone_ram_gb))
+        and lay.ttft_s[cfg.ttft_prompt_tokens] <= cfg.max_ttft_s
+        and lay.decode_tokens_per_s_ceiling >= cfg.min_decode_tokens_per_s
+    )
+
+
+def rule_layout(layouts: list[LayoutPlan], cfg: PipelineConfig) -> LayoutPlan:
+    """The layout LAYOUT_RULE picks for the config's targets; LayoutRuleError when none meets them."""
+    if cfg.ttft_prompt_tokens >= cfg.max_context:
+        raise LayoutRuleError(
+            f"ttft_prompt_tokens {cfg.ttft_prompt_tokens} leaves no room for a reply in max_context "
+            f"{cfg.max_context}; allowed values: 1..{cfg.max_context - 1}"
+        )
+    meeting = [lay for lay in layouts if meets_targets(lay, cfg)]
+    if meeting:
+        return min(
+            meeting, key=lambda lay: (lay.quality_rank, lay.decode_ar, lay.prefill_ar, lay.pinned_bytes)
+        )
+    phones = sorted({ram for lay in layouts for ram in lay.fits})
+    if cfg.target_phone_ram_gb not in phones:
+        raise LayoutRuleError(
+            f"target_phone_ram_gb {cfg.target_phone_ram_gb} is not a phone class of {cfg.soc}; "
+            f"allowed values: {', '.join(map(str, phones))}"
+        )
+    fitting = [lay for lay in layouts if lay.fits[cfg.target_phone_ram_gb]]
+    if not fitting:
+        raise LayoutRuleError(
+            f"no layout fits the {cfg.target_phone_ram_gb} GB phone's memory budget at "
+            f"max_context {cfg.max_context}: target a larger phone (target_phone_ram_gb) or lower max_context"
+        )
+    n = cfg.ttft_prompt_tokens
+    fastest_prompt = min(fitting, key=lambda lay: lay.ttft_s[n])
+    fastest_decode = max(fitting, key=lambda lay: lay.decode_tokens_per_s_ceiling)
+    raise LayoutRuleError(
+        f"no layout meets the targets ({_targets(cfg)}); of those that fit, the quickest first token is "
+        f"{fastest_prompt.name} ({fastest_prompt.ttft_s[n]:.2f} s, "
+        f"{fastest_prompt.decode_tokens_per_s_ceiling} tokens/s) and the fastest decode "
+        f"{fastest_decode.name} ({fastest_decode.ttft_s[n]:.2f} s, "
+        f"{fastest_decode.decode_tokens_per_s_ceiling} tokens/s): raise max_ttft_s, lower "
+        "min_decode_tokens_per_s or target a larger phone"
     )
 
 
@@ -583,7 +824,10 @@ def _table(rows: list[list[str]], header: list[str], text_columns: int = 1) -> l
     return lines
 
 
-def render_plan(plan: Plan, layouts: list[LayoutPlan] | None = None) -> str:
+def render_plan(
+    plan: Plan, layouts: list[LayoutPlan] | None = None, cfg: PipelineConfig | None = None
+) -> str:
+    """The plan as text; with the layouts, the layout table, and with the config, the layout rule."""
     out = [
         f"Plan: {plan.model} on {plan.soc} ({plan.dsp_arch}), {plan.precision} "
         f"({plan.weight_scheme} decoder weights), KV {plan.kv_cache_bits}-bit",
@@ -625,18 +869,26 @@ def render_plan(plan: Plan, layouts: list[LayoutPlan] | None = None) -> str:
         [f"pinned on {plan.soc} (binaries + LUTs + KV)", _gib(plan.device_bytes)],
         ["mapped by Genie (every ctx-bin's est. allocation)", _gib(plan.mapped_bytes)],
     ]
+    if plan.per_layer_lut_4bit_bytes:
+        saved = plan.luts["per_layer_embedding"] - plan.per_layer_lut_4bit_bytes
+        rows += [
+            ["per_layer_embedding LUT at 4 bits (priced only)", _mib(plan.per_layer_lut_4bit_bytes)],
+            ["pinned with it", _gib(plan.device_bytes - saved)],
+        ]
     out += _table(rows, ["what", "bytes"])
+    out += [f"  LUT residency: {plan.lut_residency}"]
+    if plan.per_layer_lut_4bit_bytes:
+        out += [f"  4-bit per-layer LUT: {PLE_LUT_4BIT_NOTE}"]
     out += ["", f"Limits of {plan.soc}"]
     out += render_limits(plan.limits)
-    out += [
-        "",
-        f"Decode roofline: {plan.decode_bytes_per_token / 1e9:.2f} GB read per token at "
-        f"{plan.bandwidth['gb_per_s']} GB/s ({plan.bandwidth['dram']}) -> at most "
-        f"{plan.decode_tokens_per_s_ceiling} tokens/s",
-    ]
+    out += ["", "Roofline: one call of each graph kind through every part (ceilings, not measurements)"]
+    out += render_roofline(plan)
     if layouts:
-        out += ["", "Layouts side by side (same model, SoC and context)"]
-        out += render_layouts(layouts)
+        out += ["", "Layouts side by side (same model, SoC and context; rates and TTFT are ceilings)"]
+        out += render_layouts(layouts, plan.max_context)
+    if layouts and cfg:
+        out += ["", "Layout rule (the preset's targets)"]
+        out += render_rule(layouts, cfg)
     if plan.warnings:
         out += ["", "Warnings"] + [f"  ! {w}" for w in plan.warnings]
     return "\n".join(out)
@@ -659,8 +911,58 @@ def render_limits(limits: list[LimitCheck]) -> list[str]:
     return out
 
 
-def render_layouts(layouts: list[LayoutPlan]) -> list[str]:
+def _ttft(seconds: float, prompt: int, max_context: int) -> str:
+    """A prompt that fills the context leaves no room for the reply: Genie refuses it."""
+    if prompt >= max_context:
+        return "> ctx"
+    return f"{seconds:.2f} s"
+
+
+def render_roofline(plan: Plan) -> list[str]:
+    rows = [
+        [
+            f"{c.role} AR-{c.ar}" if c.role != "any" else f"  (at AR-{c.ar})",
+            _size(c.bytes),
+            f"{c.ops / 1e9:,.1f} G",
+            f"{c.memory_s * 1e3:.1f} ms",
+            f"{c.compute_s * 1e3:.1f} ms" if c.compute_s is not None else "no figure",
+            c.bound,
+        ]
+        for c in [*plan.calls, *plan.calls_by_ar]
+    ]
+    out = _table(rows, ["graph kind", "read", "ops", "memory time", "compute time", "bound"])
+    ttft = ", ".join(f"{n} tokens {_ttft(v, n, plan.max_context)}" for n, v in plan.ttft_s.items())
+    out += [
+        f"  decode: at most {plan.decode_tokens_per_s_ceiling} tokens/s; prefill: at most "
+        f"{plan.prefill_tokens_per_s} tokens/s; time to first token at least: {ttft}",
+        f"  - bandwidth {plan.bandwidth['gb_per_s']} GB/s ({plan.bandwidth['dram']}): "
+        f"{plan.bandwidth['source']}",
+    ]
+    if plan.compute:
+        out.append(
+            f"  - HTP peak {plan.compute['int8_tops']} TOPS int8, {plan.compute['a16_tops']} TOPS with "
+            f"16-bit activations ({plan.compute['source']})"
+        )
+    else:
+        out.append(f"  - {plan.soc} has no HTP compute figure in the SoC table: times are memory-bound only")
+    return out
+
+
+def render_rule(layouts: list[LayoutPlan], cfg: PipelineConfig) -> list[str]:
+    out = [f"  targets: {_targets(cfg)}", f"  rule: {LAYOUT_RULE}"]
+    try:
+        pick = rule_layout(layouts, cfg)
+    except LayoutRuleError as e:
+        return [*out, f"  ! {e}"]
+    out.append(f"  picks: {pick.name} (Genie: {pick.genie})")
+    if not pick.is_config:
+        out.append(f"  this config's layout is another ({_layout_name(cfg)}); the preset says why")
+    return out
+
+
+def render_layouts(layouts: list[LayoutPlan], max_context: int) -> list[str]:
     phones = sorted({ram for lay in layouts for ram in lay.fits})
+    prompts = list(layouts[0].ttft_s)
     rows = []
     for lay in layouts:
         rows.append(
@@ -670,16 +972,19 @@ def render_layouts(layouts: list[LayoutPlan]) -> list[str]:
                 _gib(lay.largest_allocation),
                 _gib(lay.mapped_bytes),
                 _gib(lay.pinned_bytes),
-                f"{lay.decode_tokens_per_s_ceiling}",
+                f"{lay.decode_tokens_per_s_ceiling} ({lay.decode_bound[:3]})",
+                f"{lay.prefill_tokens_per_s:,.0f}",
+                *[_ttft(lay.ttft_s[n], n, max_context) for n in prompts],
                 *["fits" if lay.fits[ram] else "no" for ram in phones],
             ]
         )
-    header = ["layout (* = this config)", "binaries", "largest ctx", "mapped", "pinned", "tok/s max"]
-    out = _table(rows, header + [f"{ram} GB" for ram in phones])
+    header = ["layout (* = this config)", "binaries", "largest ctx", "mapped", "pinned", "decode tok/s"]
+    header += ["prefill tok/s", *[f"TTFT {n}" for n in prompts], *[f"{ram} GB" for ram in phones]]
+    out = _table(rows, header)
     for ram in phones:
         best = recommended_layout(layouts, ram)
         out.append(
-            f"  most accurate layout that fits a phone with {ram} GB: {best.name if best else 'none'}"
-            + (f" (Genie: {best.genie})" if best else "")
+            f"  most accurate layout that fits a phone with {ram} GB, whatever its speed: "
+            f"{best.name if best else 'none'}" + (f" (Genie: {best.genie})" if best else "")
         )
     return out

@@ -9,13 +9,31 @@ Memory limits (docs/facts.md §2; every figure carries its source in the row): t
 per-context estimated-allocation limit, the address space of one DSP process domain, and for each phone
 class a SoC ships in, the RAM a bundle may pin.
 
+HTP peak throughput (the plan's compute roofline) where a figure can be reached at all, marked as an
+estimate with how it was reached; rows without one are priced on memory bandwidth alone.
+
 Templates, the config validator, the planner and the compile rules check read these rows; nothing
-else may hard-code a soc_model, an HTP architecture, a capability or a memory limit.
+else may hard-code a soc_model, an HTP architecture, a capability, a memory limit or a peak figure.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class HtpCompute:
+    """Peak matrix throughput of the HTP, in tera-operations per second (one multiply-accumulate is
+    two operations), for the activation widths the graphs use. Qualcomm publishes no per-HTP figure
+    for most parts: `estimate` says the numbers are ours, and `source` how they were reached."""
+
+    int8_tops: float  # 8-bit activations x 8-bit weights, dense
+    a16_tops: float  # 16-bit activations x 8-bit (or unpacked 4-bit) weights: what w*a16 graphs run
+    source: str
+    estimate: bool = True
+
+    def ops_per_s(self, activation_bits: int) -> float:
+        return (self.int8_tops if activation_bits <= 8 else self.a16_tops) * 1e12
 
 
 @dataclass(frozen=True)
@@ -113,6 +131,7 @@ class Soc:
     example_devices: tuple[str, ...]
     limits: MemoryLimits
     notes: str = ""
+    compute: HtpCompute | None = None  # None: no figure, the plan's rates are memory-bound only
 
     @property
     def htp_arch(self) -> int:
@@ -139,6 +158,19 @@ _V73_LIMITS = MemoryLimits(_ALLOC_V73, _PD_32BIT, (PHONE_8GB, PHONE_12GB))
 _V79_LIMITS = MemoryLimits(_ALLOC_V73, _PD_32BIT, (PHONE_12GB, PHONE_16GB))
 
 # Bandwidth is transfer rate x bus width (theoretical peak); the sources name the DRAM type and speed.
+# v69 (8 Gen 1 / 8+ Gen 1): Qualcomm gives AI-Engine TOPS for the 888 (26 TOPS, CPU + GPU + HTP
+# together) and, for 8 Gen 1, only ratios: "up to 4x" the 888's AI performance and a tensor accelerator
+# "twice as fast". We take the 888's whole-engine 26 TOPS for 8 Gen 1's HTP alone at int8, and half of
+# it for 16-bit activations (HMX rate for 16-bit activations is not published): both estimates.
+_V69_COMPUTE = HtpCompute(
+    int8_tops=26.0,
+    a16_tops=13.0,
+    source=(
+        "estimate: Snapdragon 888 AI Engine 26 TOPS (Qualcomm, whole engine); 8 Gen 1 tensor "
+        "accelerator 'twice as fast', AI 'up to 4x' (launch coverage 2021-11-30: hothardware, "
+        "financialexpress); 16-bit activations taken at half the int8 rate (not published)"
+    ),
+)
 _SRC_8G1 = "LPDDR5-6400 per launch coverage of 8 Gen 1 / 8+ Gen 1 (xda-developers; nanoreview 51.2 GB/s)"
 
 SOCS: dict[str, Soc] = {
@@ -173,6 +205,7 @@ SOCS: dict[str, Soc] = {
             memory=_lpddr("LPDDR5", 6400, 64, _SRC_8G1),
             example_devices=("Galaxy S22", "Xiaomi 12", "OnePlus 10 Pro"),
             limits=_V69_LIMITS,
+            compute=_V69_COMPUTE,
         ),
         Soc(
             name="SM8475",
@@ -188,6 +221,7 @@ SOCS: dict[str, Soc] = {
             memory=_lpddr("LPDDR5", 6400, 64, _SRC_8G1),
             example_devices=("Galaxy Z Fold4", "Xiaomi 12T Pro", "OnePlus 10T"),
             limits=_V69_LIMITS,
+            compute=_V69_COMPUTE,
             notes="no AI Hub device known for this chipset; the aihub compiler needs another SoC",
         ),
         Soc(

@@ -45,14 +45,23 @@ def test_plan_json_is_machine_readable(g4v69):
     assert data["config"]["soc"] == "SM8450" and data["dsp_arch"] == "v69"
     # The default: one graph kind per part, so 4 graphs (and 4 binaries) for 4 parts.
     assert len(data["parts"]) == 4 and len(data["graphs"]) == 4 and len(data["binaries"]) == 4
-    assert data["decode_tokens_per_s_ceiling"] > 0
+    assert data["decode_tokens_per_s_ceiling"] > 0 and data["prefill_tokens_per_s"] > 0
+    assert data["layout_rule"]["picks"] == "w4a16-mixed, one graph kind AR-32"
+    assert data["compute"]["estimate"] is True and "26 TOPS" in data["compute"]["source"]
 
 
 def test_plan_table_is_readable(g4v69):
     r = g4v69("--num-shards", "2", "--precision", "w8a16", "--prefill-ar", "128", "plan")
     assert r.exit_code == 0
-    assert "part2_of_2" in r.output and "Decode roofline" in r.output and "Warnings" in r.output
-    assert "Layouts side by side" in r.output
+    assert "part2_of_2" in r.output and "Roofline" in r.output and "Warnings" in r.output
+    assert "Layouts side by side" in r.output and "TTFT 512" in r.output and "Layout rule" in r.output
+
+
+def test_plan_refuses_targets_no_layout_meets_and_says_how_close_they_come(g4v69):
+    r = g4v69("--max-ttft-s", "0.001", "plan")
+    assert r.exit_code != 0
+    assert "the layout rule: no layout meets the targets" in r.output and "raise max_ttft_s" in r.output
+    assert "Traceback" not in r.output
 
 
 def test_plan_output_file(g4v69):
@@ -117,7 +126,9 @@ def test_plan_prices_the_layouts_and_their_limits(g4v69):
     r = g4v69("plan")
     assert r.exit_code == 0
     assert "per-context allocation limit" in r.output and "OVER" not in r.output
-    assert "most accurate layout that fits a phone with 8 GB: w4a16-mixed, one graph kind AR-1" in r.output
+    fits = "most accurate layout that fits a phone with 8 GB, whatever its speed: "
+    assert fits + "w4a16-mixed, one graph kind AR-1" in r.output
+    assert "picks: w4a16-mixed, one graph kind AR-32" in r.output
     data = json.loads(g4v69("plan", "--json").output)
     assert {lay["precision"] for lay in data["layouts"]} == {"w8a16", "w4a16", "w4a16-mixed", "w4a16-lpbq"}
     assert all(c["source"] for c in data["limits"])

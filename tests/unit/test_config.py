@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from stages.config import (
@@ -7,6 +9,7 @@ from stages.config import (
     ConfigError,
     load_config,
     model_name_from_dir,
+    plan_fields,
     stage_fields,
 )
 
@@ -14,9 +17,11 @@ from stages.config import (
 def test_default_preset_is_the_real_job():
     cfg = load_config()
     assert cfg.model == "google/gemma-4-E2B-it"
-    # The layout the plan says fits an 8 GB phone (test_geometry_and_plan checks it is the plan's pick).
+    # The layout the preset's layout rule picks (test_geometry_and_plan checks it is the rule's pick).
     assert cfg.soc == "SM8450" and cfg.precision == "w4a16-mixed"
-    assert (cfg.max_context, cfg.prefill_ar, cfg.decode_ar, cfg.num_shards) == (2048, 1, 1, 4)
+    assert (cfg.max_context, cfg.prefill_ar, cfg.decode_ar, cfg.num_shards) == (2048, 32, 32, 4)
+    assert (cfg.target_phone_ram_gb, cfg.ttft_prompt_tokens, cfg.max_ttft_s) == (8, 512, 1.0)
+    assert cfg.min_decode_tokens_per_s == 20.0
     assert cfg.compiler == "local" and cfg.ple_policy == "float16"
     # The original plan's 20 x 2048, through the AR-128 calibration twin.
     assert (cfg.calibration_dataset, cfg.calibration_samples, cfg.calibration_tokens) == (
@@ -123,7 +128,8 @@ def test_broken_toml_names_the_file(tmp_path):
 
 def test_every_field_belongs_to_exactly_one_stage():
     owned = [f for s in STAGES for f in stage_fields(s)]
-    assert sorted(owned) == sorted(FIELD_NAMES)
+    assert sorted(owned + plan_fields()) == sorted(FIELD_NAMES)
+    assert not set(owned) & set(plan_fields())
     assert "soc" in stage_fields("quantize") and "compiler" in stage_fields("compile")
 
 
@@ -231,3 +237,17 @@ def test_the_default_floors_stop_a_collapse():
     for precision in ("w8a16", "w4a16"):
         cfg = load_config("default", {"precision": precision})
         assert below_floor(cfg, {"top1_agreement": 0.5276, "kl_divergence": 0.79877, "tokens": 508})
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"ttft_prompt_tokens": 0}, "'ttft_prompt_tokens': 0 is too small"),
+        ({"max_ttft_s": 0}, "'max_ttft_s': 0.0 is out of range"),
+        ({"min_decode_tokens_per_s": -1}, "'min_decode_tokens_per_s': -1.0 is out of range"),
+        ({"target_phone_ram_gb": 0}, "'target_phone_ram_gb': 0 is too small"),
+    ],
+)
+def test_layout_targets_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(overrides=overrides)

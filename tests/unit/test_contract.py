@@ -23,7 +23,7 @@ HOST_INPUTS = {
 
 def _original():
     """The original plan's layout: AR-128 prefill and AR-1 decode graphs."""
-    return load_config(overrides={"precision": "w8a16", "prefill_ar": 128})
+    return load_config(overrides={"precision": "w8a16", "prefill_ar": 128, "decode_ar": 1})
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The E2B figures must agree with docs/facts.md §1 (counted there on the meta device)."""
 
 import itertools
+import re
 
 import pytest
 from conftest import TINY_GEMMA4_CONFIG
@@ -10,11 +11,14 @@ from stages.geometry import FULL, SLIDING, e2b_geometry, geometry_from_config
 from stages.graphs import PartitionError, partition_layers
 from stages.plan import (
     GIB,
+    LayoutRuleError,
     kv_cache_bytes,
     make_layouts,
     make_plan,
     over_context_limit,
+    prompt_seconds,
     recommended_layout,
+    rule_layout,
 )
 from stages.precision import INT4_CHANNEL, INT4_LPBQ64
 
@@ -32,10 +36,19 @@ def original(**overrides):
     return load_config(overrides={"precision": "w8a16", "prefill_ar": 128, "decode_ar": 1, **overrides})
 
 
-def test_the_default_preset_is_the_layout_the_plan_recommends_for_an_8gb_phone(geo):
+def test_the_default_preset_is_the_layout_its_rule_picks(geo):
     cfg = load_config()
-    best = recommended_layout(make_layouts(geo, cfg), 8)
-    assert best.is_config and best.name == "w4a16-mixed, one graph kind AR-1"
+    layouts = make_layouts(geo, cfg)
+    pick = rule_layout(layouts, cfg)
+    assert pick.is_config and pick.name == "w4a16-mixed, one graph kind AR-32"
+    # The most accurate layout that fits, whatever its speed, is the same precision at AR-1: one prompt
+    # token per call, over the preset's time-to-first-token target.
+    slowest = recommended_layout(layouts, 8)
+    assert slowest.name == "w4a16-mixed, one graph kind AR-1"
+    assert slowest.ttft_s[cfg.ttft_prompt_tokens] > cfg.max_ttft_s >= pick.ttft_s[cfg.ttft_prompt_tokens]
+    # AR-32 decoding is still bandwidth-bound: within 2 % of AR-1's rate.
+    assert pick.decode_bound == "memory"
+    assert pick.decode_tokens_per_s_ceiling >= 0.98 * slowest.decode_tokens_per_s_ceiling
     plan = make_plan(geo, cfg)
     assert plan.fits(8)
     # The mixed share is the largest quarter step that fits: one more quarter is over the budget.
@@ -238,3 +251,96 @@ def test_layouts_price_both_precisions_and_both_graph_kinds(geo):
     # Nothing more accurate fits: every w8a16 layout is over the 8 GB phone.
     assert all(not lay.fits[8] for lay in layouts if lay.precision == "w8a16")
     assert recommended_layout(layouts, 12).precision == "w8a16"
+
+
+def test_roofline_of_one_call_against_hand_counted_figures(geo):
+    cfg = load_config(overrides={"prefill_ar": 1, "decode_ar": 1})
+    plan = make_plan(geo, cfg)
+    (call,) = plan.calls
+    # Attention of E2B at AR-1 over a 2,048 context, 8 query heads: Q.K^T and probs.V, 2 ops per MAC;
+    # 7 full layers read 2,047 past + 1 new slots of 512-wide heads, 28 sliding ones 512 + 1 of 256.
+    attention = 2 * 2 * 8 * (7 * 2048 * 512 + 28 * 513 * 256)
+    assert attention == 352_550_912
+    assert call.ops == 2 * plan.params["in_graphs"] + attention
+    # Bytes: every graph's weights and I/O (no spill-fill at AR-1) and one row of each LUT: 1,536
+    # 16-bit embedding entries and 35 x 256 8-bit per-layer entries.
+    io = sum(g.allocation["io"] for g in plan.graphs)
+    assert sum(g.allocation["spill_fill"] for g in plan.graphs) == 0
+    assert call.bytes == sum(p.bytes for p in plan.parts) + io + 1536 * 2 + 35 * 256
+    # v69: 51.2 GB/s; 16-bit activations at the estimated 13 TOPS.
+    assert call.memory_s == pytest.approx(call.bytes / 51.2e9)
+    assert call.compute_s == pytest.approx(call.ops / 13e12)
+    assert call.bound == "memory" and call.seconds == call.memory_s
+    assert plan.decode_tokens_per_s_ceiling == round(1 / call.memory_s, 1)
+    # Every prompt token is its own call.
+    assert plan.ttft_s[512] == pytest.approx(512 * call.seconds)
+
+
+def test_prompt_seconds_follows_genies_choice_of_graph(geo):
+    from stages.plan import CallCost
+
+    decode = CallCost("decode", 1, 0, 0, memory_s=0.040, compute_s=0.001)
+    prefill = CallCost("prefill", 32, 0, 0, memory_s=0.041, compute_s=0.050)
+    assert prefill.bound == "compute" and prefill.seconds == 0.050
+    calls = [prefill, decode]
+    assert prompt_seconds(calls, 1) == 0.040  # the smallest AR >= 1 token
+    assert prompt_seconds(calls, 20) == 0.050  # one padded AR-32 call
+    assert prompt_seconds(calls, 512) == pytest.approx(16 * 0.050)
+    assert prompt_seconds(calls, 100) == pytest.approx(4 * 0.050)  # 3 full chunks and a padded one
+    assert prompt_seconds([decode], 100) == pytest.approx(100 * 0.040)
+
+
+def test_a_soc_without_a_compute_figure_is_priced_on_memory_alone(geo):
+    plan = make_plan(geo, load_config(overrides={"soc": "SM8550", "prefill_ar": 128}))
+    assert plan.compute == {}
+    assert all(c.compute_s is None and c.bound == "memory" for c in plan.calls)
+
+
+def test_large_ars_turn_decode_compute_bound(geo):
+    plan = make_plan(geo, load_config())
+    by_ar = {c.ar: c for c in plan.calls_by_ar}
+    assert list(by_ar) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert by_ar[32].bound == "memory" and by_ar[128].bound == "compute"
+    assert by_ar[128].ops > 127 * by_ar[1].ops  # the lm_head and attention grow with AR too
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"max_ttft_s": 0.01}, "raise max_ttft_s, lower min_decode_tokens_per_s or target a larger phone"),
+        ({"min_decode_tokens_per_s": 500}, "no layout meets the targets"),
+        (
+            {"target_phone_ram_gb": 6},
+            "target_phone_ram_gb 6 is not a phone class of SM8450; allowed values: 8, 12",
+        ),
+        (
+            {"ttft_prompt_tokens": 2048},
+            "ttft_prompt_tokens 2048 leaves no room for a reply in max_context 2048",
+        ),
+        # v68 runs no 4-bit weights, and w8a16 is over the 8 GB phone's budget.
+        ({"soc": "SM8350", "precision": "w8a16"}, "no layout fits the 8 GB phone's memory budget"),
+    ],
+)
+def test_targets_no_layout_meets_are_refused_with_what_to_change(geo, overrides, message):
+    cfg = load_config(overrides=overrides)
+    with pytest.raises(LayoutRuleError, match=re.escape(message)):
+        rule_layout(make_layouts(geo, cfg), cfg)
+
+
+def test_the_rule_prefers_the_least_decode_compute_then_the_smallest_prefill_ar(geo):
+    # With a loose first-token target the same precision at AR-1 meets everything and wins.
+    cfg = load_config(overrides={"max_ttft_s": 60})
+    assert rule_layout(make_layouts(geo, cfg), cfg).name == "w4a16-mixed, one graph kind AR-1"
+    # On a 12 GB phone w8a16 fits: the most accurate precision first, separate graphs (AR-1 decode)
+    # before one kind at a larger AR, the smallest prefill AR that meets the target.
+    cfg = load_config(overrides={"target_phone_ram_gb": 12})
+    assert rule_layout(make_layouts(geo, cfg), cfg).name == "w8a16, one graph kind AR-32"
+
+
+def test_layouts_are_only_those_genie_accepts():
+    from conftest import TINY_GEMMA4_CONFIG as tiny_config
+
+    geo = geometry_from_config(tiny_config)
+    cfg = load_config("tiny")
+    ars = {lay.prefill_ar for lay in make_layouts(geo, cfg)}
+    assert max(ars) <= geo.sliding_window  # a wider prefill overflows the sliding-window group

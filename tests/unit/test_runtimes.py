@@ -73,7 +73,7 @@ def test_genie_refuses_a_step_wider_than_the_sliding_window_before_export(tmp_pa
     wide = load_config("tiny", {"prefill_ar": 16})
     reason = window_overflow("swa", 16, 8, 0)
     assert genie.layout_problems(wide, tiny) == [reason]
-    assert genie.layout_problems(load_config(), builtin_geometry("e2b-random")) == []  # AR-1, window 512
+    assert genie.layout_problems(load_config(), builtin_geometry("e2b-random")) == []  # AR-32, window 512
     assert (
         genie.layout_problems(load_config(overrides={"prefill_ar": 128}), builtin_geometry("e2b-random"))
         == []
