@@ -379,7 +379,8 @@ def bundle(obj: Context, check_manifest_path: Path | None) -> None:
 
 def _echo_bundle_limits(obj: Context) -> None:
     """Which of the SoC table's memory limits the bundle just built meets (docs/facts.md §2)."""
-    from stages.plan import built_limits, make_plan, render_limits
+    from stages.fitting import built_limits, make_plan
+    from stages.plan import render_limits
     from stages.report import read_report
 
     cfg = obj.config
@@ -467,7 +468,7 @@ def verify(
 def bench_report(obj: Context, output: Path, command_line: str) -> None:
     """Collect the stage reports of a bench run under WORKDIR into OUTPUT/<date>-<machine>.{json,md}."""
     from stages.bench import collect, write_results
-    from stages.plan import make_plan
+    from stages.fitting import make_plan
 
     geo = load_geometry(obj.checkpoint_dir() / "config.json") if obj.checkpoint_dir().is_dir() else None
     geo = geo or builtin_geometry(obj.config.model)
@@ -575,7 +576,8 @@ def show_config(obj: Context, as_json: bool, get: str | None) -> None:
 def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Path | None) -> None:
     """Parameters, bytes per part and graph, LUTs, KV cache, device memory against the SoC's limits,
     a decode roofline, and the layouts (precision x graph kinds) side by side."""
-    from stages.plan import LAYOUT_RULE, LayoutRuleError, make_layouts, make_plan, render_plan, rule_layout
+    from stages.fitting import LAYOUT_RULE, LayoutRuleError, make_layouts, make_plan, rule_layout
+    from stages.plan import render_plan
 
     cfg = obj.config
     try:

@@ -157,7 +157,7 @@ class PipelineConfig:
     max_kl_divergence_w8: float = field(metadata=_meta("quantize", "held-out KL ceiling, 8-bit weights"))
     min_top1_agreement_w4: float = field(metadata=_meta("quantize", "held-out top-1 floor, 4-bit weights"))
     max_kl_divergence_w4: float = field(metadata=_meta("quantize", "held-out KL ceiling, 4-bit weights"))
-    # The layout rule's targets (stages/plan.py `rule_layout`): `make plan` names the layout that meets
+    # The layout rule's targets (stages/fitting.py `rule_layout`): `make plan` names the layout that meets
     # them within the phone's memory budget, and says so when the config's layout is another.
     target_phone_ram_gb: int = field(
         metadata=_meta(PLAN_ONLY, "layout rule: the phone class (GB of RAM) whose memory budget must hold")

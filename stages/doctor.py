@@ -41,7 +41,7 @@ def disk_need_bytes(cfg: PipelineConfig) -> int | None:
     geo = builtin_geometry(cfg.model)
     if geo is None:
         return None
-    from stages.plan import make_plan
+    from stages.fitting import make_plan
 
     return make_plan(geo, cfg).job_disk_bytes
 

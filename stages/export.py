@@ -1,6 +1,6 @@
 """The export stage: a downloaded checkpoint -> static-shape ONNX part graphs + host LUTs in exported/.
 
-For each part (layers balanced by weight bytes, `stages.plan.part_layers`, the same split the plan
+For each part (layers balanced by weight bytes, `stages.fitting.part_layers`, the same split the plan
 prices) the part's weights are read from the memory-mapped safetensors as float32, every graph kind
 (prefill AR-N, decode AR-1, and the calibration-only twin of the prefill kind at `calibration_ar`,
 `stages.graphs.calibration_kind`) is exported with torch.onnx (dynamo, opset 23: fused RMSNormalization
@@ -162,8 +162,8 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     leaving no output folder behind."""
     from tqdm import tqdm
 
+    from stages.fitting import make_plan, over_context_limit, part_layers
     from stages.graphs import PartitionError
-    from stages.plan import make_plan, over_context_limit, part_layers
 
     if read_report(checkpoint_dir) is None:
         raise ExportError(

@@ -1,5 +1,5 @@
 """What a full run of a config needs from the machine, said before it starts: disk in WORKDIR (the
-plan's model of what each stage writes, `stages.plan.job_disk_bytes`) and memory (the largest peak RSS
+plan's model of what each stage writes, `stages.fitting.job_disk_bytes`) and memory (the largest peak RSS
 any bench run of a model of the same geometry measured, ci/bench-results/*.json).
 
 `python3 -m stages.needs --preset P [--<field> V]...` prints `DISK_BYTES RAM_BYTES SOURCE` on one line
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stages.config import PipelineConfig
+from stages.fitting import make_plan
 from stages.geometry import KNOWN_GEOMETRIES, builtin_geometry
-from stages.plan import make_plan
 
 BENCH_RESULTS = Path(__file__).resolve().parent.parent / "ci" / "bench-results"
 

@@ -6,8 +6,8 @@ import pytest
 
 from stages.config import load_config
 from stages.contract import ContractError, graph_specs
+from stages.fitting import make_plan, part_layers
 from stages.geometry import TINY_TEXT_CONFIG, e2b_geometry, geometry_from_config
-from stages.plan import make_plan, part_layers
 
 HOST_INPUTS = {
     "inputs_embeds",

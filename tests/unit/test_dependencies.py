@@ -46,6 +46,7 @@ RULES = [
         "stages.compile",
         "stages.quantize",
         "stages.plan",
+        "stages.fitting",
         "stages.config",
     )
 ]
@@ -61,6 +62,17 @@ def test_no_import_against_the_direction(importer: str, forbidden: str, why: str
         if imp.startswith(forbidden)
     )
     assert offenders == [], f"{why}: " + "; ".join(offenders)
+
+
+def test_only_the_cli_imports_the_plan_report():
+    """stages/plan.py is `g4v69 plan`'s text; what the stages fit against is stages/fitting.py."""
+    offenders = sorted(
+        name
+        for name, path in MODULES.items()
+        if name not in ("stages.cli", "stages.plan")
+        and any(i.startswith("stages.plan") for i in imports_of(path))
+    )
+    assert offenders == [], "import stages.fitting instead: " + ", ".join(offenders)
 
 
 def test_the_rule_reader_sees_imports_inside_functions(tmp_path: Path) -> None:

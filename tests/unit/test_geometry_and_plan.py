@@ -7,9 +7,7 @@ import pytest
 from conftest import TINY_GEMMA4_CONFIG
 
 from stages.config import load_config
-from stages.geometry import FULL, SLIDING, e2b_geometry, geometry_from_config
-from stages.graphs import PartitionError, partition_layers
-from stages.plan import (
+from stages.fitting import (
     GIB,
     LayoutRuleError,
     kv_cache_bytes,
@@ -20,6 +18,8 @@ from stages.plan import (
     recommended_layout,
     rule_layout,
 )
+from stages.geometry import FULL, SLIDING, e2b_geometry, geometry_from_config
+from stages.graphs import PartitionError, partition_layers
 from stages.precision import INT4_CHANNEL, INT4_LPBQ64
 
 MIB = 1 << 20
@@ -277,7 +277,7 @@ def test_roofline_of_one_call_against_hand_counted_figures(geo):
 
 
 def test_prompt_seconds_follows_genies_choice_of_graph(geo):
-    from stages.plan import CallCost
+    from stages.fitting import CallCost
 
     decode = CallCost("decode", 1, 0, 0, memory_s=0.040, compute_s=0.001)
     prefill = CallCost("prefill", 32, 0, 0, memory_s=0.041, compute_s=0.050)

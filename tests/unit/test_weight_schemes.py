@@ -238,8 +238,8 @@ def test_plan_and_quantize_store_every_weight_by_the_same_rule(ple_policy: str, 
     """The planner prices a geometry tensor by its kind, quantize writes and audits a graph weight by its
     name: both must land on one scheme for every weight the graphs hold, at every precision the SoC runs
     (a second copy of the rule is what drifted before)."""
+    from stages.fitting import KIND_ROLES, weight_scheme
     from stages.geometry import EMBEDDING, LINEAR, PLE, builtin_geometry
-    from stages.plan import KIND_ROLES, weight_scheme
     from stages.precision import usable_precisions
     from stages.quantize.weights import LM_HEAD_WEIGHT, expected_scheme
 
