@@ -8,13 +8,15 @@ Make variables become these options; G4V69_<FIELD> environment variables work to
 from __future__ import annotations
 
 import errno
+import importlib
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import click
 
 from stages import __version__
+from stages.command import Context, UserError
 from stages.config import (
     DEFAULT_PRESET,
     FIELD_NAMES,
@@ -22,27 +24,17 @@ from stages.config import (
     PipelineConfig,
     field_doc,
     load_config,
-    stage_key,
-    stamp_name,
 )
 from stages.geometry import GeometryError, builtin_geometry, load_geometry
 from stages.graphs import PartitionError
-from stages.pipeline import output_dir
+from stages.pipeline import PIPELINE, STAGE_NAMES, output_dir, stage
 from stages.quiet import quiet_libraries
 from stages.report import (
-    REPORT_NAME,
     DiskSpaceError,
     IntegrityError,
     write_json_atomic,
-    write_stamp,
 )
 from stages.runtimes import RuntimeFailure, get_runtime
-
-
-class UserError(click.ClickException):
-    """A problem the user can fix: printed as one line, exit status 2, nothing written."""
-
-    exit_code = 2
 
 
 def _os_error_line(e: OSError) -> str | None:
@@ -64,7 +56,28 @@ def _os_error_line(e: OSError) -> str | None:
 class Main(click.Group):
     """The command group, with the one place that turns errors every stage can meet (an input that
     changed since its stage wrote it, a full disk, a read-only WORKDIR) into one line. A stage's
-    temporary folder is removed on any error (report.stage_output), so nothing partial remains."""
+    temporary folder is removed on any error (report.stage_output), so nothing partial remains.
+
+    The stages' commands come from the stage table (`Stage.command`, "module:attribute"), imported only
+    when one runs: a stage's module may need libraries that only its image has, and `g4v69 --help`
+    lists the stages from the table in any image."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*STAGE_NAMES, *sorted(n for n in self.commands if n not in STAGE_NAMES)]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in STAGE_NAMES:
+            module, attribute = stage(cmd_name).command.split(":")
+            return getattr(importlib.import_module(module), attribute)
+        return super().get_command(ctx, cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(s.name, s.makes) for s in PIPELINE]
+        rows += [
+            (n, c.get_short_help_str(60)) for n, c in sorted(self.commands.items()) if n not in STAGE_NAMES
+        ]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -81,24 +94,6 @@ class Main(click.Group):
             if "No space left on device" in str(e) or "[Errno 28]" in str(e):
                 raise UserError(_os_error_line(OSError(errno.ENOSPC, "No space left on device"))) from None
             raise
-
-
-@dataclass
-class Context:
-    config: PipelineConfig
-    workdir: Path
-
-    def checkpoint_dir(self) -> Path:
-        return output_dir(self.workdir, "download", self.config.checkpoint_name)
-
-    def download_done(self) -> None:
-        """Stamp a download that has just finished (see the Makefile's stage rules): only on success,
-        keyed by the config, so a run with another config neither removes nor reuses it. The other
-        stages stamp themselves as they write their output (report.StageJob); a checkpoint folder
-        is made without a config, for every config of its model."""
-        out = self.checkpoint_dir()
-        content = {"stage": "download", "config": stage_key(self.config, "download")}
-        write_stamp(self.workdir, stamp_name(self.config, "download"), content, out / REPORT_NAME)
 
 
 def _config_options(func):
@@ -138,63 +133,6 @@ def main(ctx: click.Context, preset: str, workdir: Path, **overrides: str | None
     except ConfigError as e:
         raise UserError(str(e)) from None
     ctx.obj = Context(config=cfg, workdir=workdir)
-
-
-@main.command()
-@click.option(
-    "--from",
-    "from_dir",
-    type=click.Path(file_okay=False, exists=True, path_type=Path),
-    help="import a snapshot folder you already have instead of downloading (files are hard-linked)",
-)
-@click.pass_obj
-def download(obj: Context, from_dir: Path | None) -> None:
-    """Fetch the checkpoint (or make a built-in model) into checkpoints/<name>/, validated."""
-    from stages.checkpoint import CheckpointError
-    from stages.download import DownloadError, run_download
-
-    cfg = obj.config
-    out = obj.checkpoint_dir()
-    try:
-        figures = run_download(cfg.model, cfg.model_revision, out, from_dir=from_dir)
-    except (DownloadError, CheckpointError) as e:
-        raise UserError(str(e)) from None
-    obj.download_done()
-    click.echo(
-        f"{out}: {figures['files']} files, {figures['bytes'] / 1e9:.3f} GB, "
-        f"{figures['text_params'] / 1e6:.1f} M text params ({figures['source']})"
-    )
-    ignored = figures["ignored_tensors"]
-    if ignored:
-        click.echo(
-            f"ignored {len(ignored)} K/V tensors of KV-shared layers, as transformers does (report.json)"
-        )
-    unused = figures["unused_tensors"]
-    if unused:
-        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
-        click.echo(
-            f"warning: {len(unused)} language-model tensors have no place in Gemma 4 and are not used "
-            f"(transformers drops them too): {', '.join(unused[:3])}{more}",
-            err=True,
-        )
-
-
-@main.command()
-@click.pass_obj
-def export(obj: Context) -> None:
-    """Static-shape ONNX part graphs (prefill + decode) and the host LUTs into exported/."""
-    from stages.checkpoint import CheckpointError
-    from stages.export import ExportError, run_export
-
-    try:
-        report = run_export(obj.config, obj.workdir, obj.checkpoint_dir())
-    except (ExportError, CheckpointError) as e:
-        raise UserError(str(e)) from None
-    fig = report["figures"]
-    click.echo(
-        f"{obj.workdir / 'exported'}: {len(fig['graphs'])} graphs over {len(fig['parts'])} parts, "
-        f"{report['wall_s']:.1f} s, peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB"
-    )
 
 
 @main.command()
@@ -263,90 +201,7 @@ def generate(
     )
 
 
-@main.command()
-@click.option(
-    "--calibration-files",
-    multiple=True,
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    help="text to calibrate on (.txt, .jsonl with 'text', .parquet with a 'text' column); repeatable",
-)
-@click.option(
-    "--compare-ple-policies", is_flag=True, help="also measure the other PLE policies in the report"
-)
-@click.option(
-    "--compare-precisions",
-    is_flag=True,
-    help="also measure every other precision the SoC runs (w8a16 and the 4-bit schemes) in the report",
-)
-@click.option(
-    "--provider",
-    type=click.Choice(["cpu", "rocm"]),
-    default="cpu",
-    show_default=True,
-    help="onnxruntime provider for calibration (rocm: quant-rocm image with an AMD GPU)",
-)
-@click.pass_obj
-def quantize(
-    obj: Context,
-    calibration_files: tuple[Path, ...],
-    compare_ple_policies: bool,
-    compare_precisions: bool,
-    provider: str,
-) -> None:
-    """QDQ graphs at the precision for the SoC (8-bit KV on v69), audited, with a quality report."""
-    from stages.calibration import CalibrationError
-    from stages.checkpoint import CheckpointError
-    from stages.quantize import QuantizeError, run_quantize
-
-    try:
-        report = run_quantize(
-            obj.config,
-            obj.workdir,
-            obj.checkpoint_dir(),
-            list(calibration_files) or None,
-            compare_ple_policies,
-            provider,
-            compare_precisions=compare_precisions,
-        )
-    except (QuantizeError, CalibrationError, CheckpointError) as e:
-        raise UserError(str(e)) from None
-    q = report["figures"]["quality"][obj.config.ple_policy]
-    click.echo(
-        f"{obj.workdir / 'quantized'}: {len(report['figures']['graphs'])} graphs; held-out top-1 agreement "
-        f"{q['top1_agreement']:.3f}, perplexity {q['perplexity_fp']:.3f} -> {q['perplexity_quantized']:.3f}, "
-        f"KL {q['kl_divergence']:.4f}; {report['wall_s']:.1f} s, "
-        f"peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB"
-    )
-
-
-@main.command(name="compile")
-@click.option(
-    "--jobs",
-    type=click.IntRange(1),
-    default=None,
-    help="binaries compiled at once by the local backend (default: as many as CPUs and memory allow)",
-)
-@click.pass_obj
-def compile_(obj: Context, jobs: int | None) -> None:
-    """QNN context binaries for the SoC's HTP into compiled/ (compiler: local or aihub)."""
-    from stages.compile import CompileError, run_compile
-
-    try:
-        report = run_compile(obj.config, obj.workdir, jobs)
-    except CompileError as e:
-        raise UserError(str(e)) from None
-    fig = report["figures"]
-    total = sum(b["bytes"] for b in fig["binaries"])
-    # The binaries compile in child processes; the stage's own peak RSS misses theirs.
-    peak = max([report["peak_rss_bytes"]] + [b.get("peak_rss_bytes", 0) for b in fig["binaries"]])
-    click.echo(
-        f"{obj.workdir / 'compiled'}: {len(fig['binaries'])} binaries for {fig['soc']} ({fig['dsp_arch']}), "
-        f"{total / 1e6:.1f} MB, QAIRT {fig['backend']['qairt_version']} ({fig['backend']['name']}); "
-        f"{report['wall_s']:.1f} s, peak RSS {peak / 2**30:.2f} GiB"
-    )
-
-
-@main.command()
+@click.command()
 @click.option(
     "--check",
     "check_manifest_path",
@@ -396,7 +251,7 @@ def _echo_bundle_limits(obj: Context) -> None:
     click.echo("\n".join(render_limits(checks)))
 
 
-@main.command()
+@click.command()
 @click.option(
     "--prompt",
     default="What is the capital of France?",

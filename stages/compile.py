@@ -34,7 +34,10 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+import click
+
 from stages.aihub import AihubError, compile_aihub
+from stages.command import Context, UserError
 from stages.config import PipelineConfig
 from stages.contract import CACHE_PREFIX
 from stages.encoding import IoTensor, QdqGraph, prepare_io, shared_tensor_mismatches
@@ -490,3 +493,31 @@ def _compile_all_local(soc: Soc, layout: list[Binary], paths: dict[str, Path], o
                 pool.shutdown(cancel_futures=True)
                 raise
     return [results[b.file] for b in layout]
+
+
+# ---- the stage's command (`g4v69 compile`; the stage table names it) ----
+@click.command(name="compile")
+@click.option(
+    "--jobs",
+    type=click.IntRange(1),
+    default=None,
+    help="binaries compiled at once by the local backend (default: as many as CPUs and memory allow)",
+)
+@click.pass_obj
+def command(obj: Context, jobs: int | None) -> None:
+    """QNN context binaries for the SoC's HTP into compiled/ (compiler: local or aihub)."""
+    from stages.compile import CompileError, run_compile
+
+    try:
+        report = run_compile(obj.config, obj.workdir, jobs)
+    except CompileError as e:
+        raise UserError(str(e)) from None
+    fig = report["figures"]
+    total = sum(b["bytes"] for b in fig["binaries"])
+    # The binaries compile in child processes; the stage's own peak RSS misses theirs.
+    peak = max([report["peak_rss_bytes"]] + [b.get("peak_rss_bytes", 0) for b in fig["binaries"]])
+    click.echo(
+        f"{obj.workdir / 'compiled'}: {len(fig['binaries'])} binaries for {fig['soc']} ({fig['dsp_arch']}), "
+        f"{total / 1e6:.1f} MB, QAIRT {fig['backend']['qairt_version']} ({fig['backend']['name']}); "
+        f"{report['wall_s']:.1f} s, peak RSS {peak / 2**30:.2f} GiB"
+    )

@@ -21,8 +21,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import click
+
 from stages.builtin_models import BUILTIN_TEXT_CONFIGS, DEFAULT_MAX_SHARD_BYTES, write_random_checkpoint
 from stages.checkpoint import CheckpointSummary, RemoteFile, validate_checkpoint
+from stages.command import Context, UserError
 from stages.config import is_repo_id
 from stages.report import redact, stage_output
 
@@ -274,3 +277,43 @@ def run_download(
             figures.update(fetch_from_hub(model, model_revision, staging, run.dir))
         run.figures.update(figures)
     return figures
+
+
+# ---- the stage's command (`g4v69 download`; the stage table names it) ----
+@click.command(name="download")
+@click.option(
+    "--from",
+    "from_dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    help="import a snapshot folder you already have instead of downloading (files are hard-linked)",
+)
+@click.pass_obj
+def command(obj: Context, from_dir: Path | None) -> None:
+    """Fetch the checkpoint (or make a built-in model) into checkpoints/<name>/, validated."""
+    from stages.checkpoint import CheckpointError
+    from stages.download import DownloadError, run_download
+
+    cfg = obj.config
+    out = obj.checkpoint_dir()
+    try:
+        figures = run_download(cfg.model, cfg.model_revision, out, from_dir=from_dir)
+    except (DownloadError, CheckpointError) as e:
+        raise UserError(str(e)) from None
+    obj.download_done()
+    click.echo(
+        f"{out}: {figures['files']} files, {figures['bytes'] / 1e9:.3f} GB, "
+        f"{figures['text_params'] / 1e6:.1f} M text params ({figures['source']})"
+    )
+    ignored = figures["ignored_tensors"]
+    if ignored:
+        click.echo(
+            f"ignored {len(ignored)} K/V tensors of KV-shared layers, as transformers does (report.json)"
+        )
+    unused = figures["unused_tensors"]
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        click.echo(
+            f"warning: {len(unused)} language-model tensors have no place in Gemma 4 and are not used "
+            f"(transformers drops them too): {', '.join(unused[:3])}{more}",
+            err=True,
+        )

@@ -22,9 +22,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import click
 import numpy as np
 
 from stages.checkpoint import Checkpoint
+from stages.command import Context, UserError
 from stages.config import PipelineConfig
 from stages.contract import ATTENTION_MASK_MIN, GraphSpec, graph_specs
 from stages.geometry import Geometry
@@ -246,3 +248,22 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
             }
         )
     return read_report(job.out_dir)
+
+
+# ---- the stage's command (`g4v69 export`; the stage table names it) ----
+@click.command(name="export")
+@click.pass_obj
+def command(obj: Context) -> None:
+    """Static-shape ONNX part graphs (prefill + decode) and the host LUTs into exported/."""
+    from stages.checkpoint import CheckpointError
+    from stages.export import ExportError, run_export
+
+    try:
+        report = run_export(obj.config, obj.workdir, obj.checkpoint_dir())
+    except (ExportError, CheckpointError) as e:
+        raise UserError(str(e)) from None
+    fig = report["figures"]
+    click.echo(
+        f"{obj.workdir / 'exported'}: {len(fig['graphs'])} graphs over {len(fig['parts'])} parts, "
+        f"{report['wall_s']:.1f} s, peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB"
+    )

@@ -1,11 +1,12 @@
 """The stage table: every stage once, in pipeline order, with its output folder, the stages whose output
 it reads (and checks against their reports' hashes), the image it runs in and what it makes.
 
-The CLI, the reports, the bench, doctor and the Makefile read it: the Makefile makes each stage's rule
-from its row (`python -m stages.pipeline rows`, as it reads the config), so a stage's folder, inputs and
-image are said here only. Which config fields invalidate a stage is said once per field, in
-`stages/config.py` (`stage_fields`). A new stage is a row here, a module with its `run_<stage>` and a CLI
-command; the bundle and verify stages are the runtime's (`stages.runtimes`).
+The CLI, the reports, the bench, doctor and the Makefile read it: the Makefile makes each stage's
+rule from its row (`python -m stages.pipeline rows`, as it reads the config) and the CLI finds its
+command there, so a stage's folder, inputs, image and command are said here only. Which config fields
+invalidate a stage is said once per field, in `stages/config.py` (`stage_fields`). A new stage is a
+row here and a module with its `run_<stage>` and its `command` (tests/unit/test_new_stage.py adds
+one); the bundle and verify stages are the runtime's (`stages.runtimes`).
 
 Stdlib only: the Makefile reads it before any image exists.
 """
@@ -24,6 +25,9 @@ class Stage:
     upstream: tuple[str, ...]  # stages whose output it reads
     image: str  # docker/<image>/: what runs it under RUNNER=docker
     makes: str
+    # Its `g4v69 <name>` command, "module:attribute" (imported when it runs): in the stage's own module,
+    # or in the CLI's for the runtime's stages, which reach the runtime through its registry.
+    command: str
     # The output is one folder per checkpoint inside `folder` (download keeps every checkpoint it got).
     per_checkpoint: bool = False
     # A stamp per config says it finished (Make skips it then); a check without one runs whenever asked.
@@ -37,6 +41,7 @@ PIPELINE: tuple[Stage, ...] = (
         (),
         "export",
         "fetch the checkpoint (or make a built-in model) into checkpoints/<name>/",
+        "stages.download:command",
         per_checkpoint=True,
     ),
     Stage(
@@ -45,6 +50,7 @@ PIPELINE: tuple[Stage, ...] = (
         ("download",),
         "export",
         "static-shape sharded ONNX graphs + LUTs into exported/",
+        "stages.export:command",
     ),
     Stage(
         "quantize",
@@ -52,8 +58,16 @@ PIPELINE: tuple[Stage, ...] = (
         ("download", "export"),
         "quant",
         "audited QDQ graphs at PRECISION (QUANT_ARGS, QUANT_IMAGE) into quantized/",
+        "stages.quantize.stage:command",
     ),
-    Stage("compile", "compiled", ("quantize",), "compile", "QNN context binaries into compiled/ (COMPILER)"),
+    Stage(
+        "compile",
+        "compiled",
+        ("quantize",),
+        "compile",
+        "QNN context binaries into compiled/ (COMPILER)",
+        "stages.compile:command",
+    ),
     # Genie's own config validator is onnxruntime-qnn's libGenie.so, in the compile image.
     Stage(
         "bundle",
@@ -61,6 +75,7 @@ PIPELINE: tuple[Stage, ...] = (
         ("download", "export", "compile"),
         "compile",
         "the Genie bundle into genie_bundle/",
+        "stages.cli:bundle",
     ),
     Stage(
         "verify",
@@ -68,6 +83,7 @@ PIPELINE: tuple[Stage, ...] = (
         ("download", "quantize", "bundle"),
         "export",
         "check the bundle under a Genie emulator against transformers into verify/ (VERIFY_*)",
+        "stages.cli:verify",
         stamped=False,
     ),
 )

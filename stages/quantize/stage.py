@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import click
+
+from stages.command import Context, UserError
 from stages.config import PipelineConfig
 from stages.gptq import collect_hessians
 from stages.graphs import calibration_kind, copy_graph, qdq_file_name
@@ -386,3 +389,59 @@ def run_quantize(
         )
         write_quality_html(run.dir / "quality.html", run.figures)
     return read_report(job.out_dir)
+
+
+# ---- the stage's command (`g4v69 quantize`; the stage table names it) ----
+@click.command(name="quantize")
+@click.option(
+    "--calibration-files",
+    multiple=True,
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="text to calibrate on (.txt, .jsonl with 'text', .parquet with a 'text' column); repeatable",
+)
+@click.option(
+    "--compare-ple-policies", is_flag=True, help="also measure the other PLE policies in the report"
+)
+@click.option(
+    "--compare-precisions",
+    is_flag=True,
+    help="also measure every other precision the SoC runs (w8a16 and the 4-bit schemes) in the report",
+)
+@click.option(
+    "--provider",
+    type=click.Choice(["cpu", "rocm"]),
+    default="cpu",
+    show_default=True,
+    help="onnxruntime provider for calibration (rocm: quant-rocm image with an AMD GPU)",
+)
+@click.pass_obj
+def command(
+    obj: Context,
+    calibration_files: tuple[Path, ...],
+    compare_ple_policies: bool,
+    compare_precisions: bool,
+    provider: str,
+) -> None:
+    """QDQ graphs at the precision for the SoC (8-bit KV on v69), audited, with a quality report."""
+    from stages.calibration import CalibrationError
+    from stages.checkpoint import CheckpointError
+
+    try:
+        report = run_quantize(
+            obj.config,
+            obj.workdir,
+            obj.checkpoint_dir(),
+            list(calibration_files) or None,
+            compare_ple_policies,
+            provider,
+            compare_precisions=compare_precisions,
+        )
+    except (QuantizeError, CalibrationError, CheckpointError) as e:
+        raise UserError(str(e)) from None
+    q = report["figures"]["quality"][obj.config.ple_policy]
+    click.echo(
+        f"{obj.workdir / 'quantized'}: {len(report['figures']['graphs'])} graphs; held-out top-1 agreement "
+        f"{q['top1_agreement']:.3f}, perplexity {q['perplexity_fp']:.3f} -> {q['perplexity_quantized']:.3f}, "
+        f"KL {q['kl_divergence']:.4f}; {report['wall_s']:.1f} s, "
+        f"peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB"
+    )

@@ -25,7 +25,14 @@ def test_version(g4v69):
 
 
 def test_every_stage_has_a_command():
-    assert set(STAGE_COMMANDS) <= set(main.commands)
+    """The stages' commands come from the stage table; each resolves to a click command of its name."""
+    import click
+
+    ctx = click.Context(main)
+    assert set(STAGE_COMMANDS) <= set(main.list_commands(ctx))
+    for name in STAGE_COMMANDS:
+        command = main.get_command(ctx, name)
+        assert isinstance(command, click.Command) and command.name == name, name
 
 
 @pytest.mark.parametrize("stage", sorted(MISSING_INPUT))
