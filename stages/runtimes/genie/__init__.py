@@ -67,22 +67,32 @@ class GenieRuntime:
         return push_bundle(bundle_dir, sdk_root, serial, adb)
 
     def run(self, bundle_dir: Path, prompt: str, serial: str | None, adb: str) -> dict[str, Any]:
-        # Light imports only: push and run work in the tools image (no numpy, no onnx).
-        from stages.chat import ChatError, render_chat
+        from stages.chat import ChatError
         from stages.runtimes.genie.device import DeviceError, read_manifest, run_on_device
-        from stages.runtimes.genie.files import GENIE_CONFIG, TOKENIZER_CONFIG
 
         read_manifest(bundle_dir)  # no bundle: say which stage to run before reading its files
         try:
-            text = render_chat(bundle_dir, prompt)
+            text = query_text(bundle_dir, prompt)
         except ChatError as e:
             raise DeviceError(f"{bundle_dir}: {e}") from None
-        dialog = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-        bos = json.loads((bundle_dir / TOKENIZER_CONFIG).read_text()).get("bos_token")
-        # Genie prepends the config's bos-token itself; the template's own would make it twice.
-        if "bos-token" in dialog["context"] and isinstance(bos, str) and text.startswith(bos):
-            text = text[len(bos) :]
         return run_on_device(bundle_dir, text, serial, adb)
+
+
+def query_text(bundle_dir: Path, prompt: str) -> str:
+    """The text `make run` hands genie-t2t-run for a one-turn prompt: the bundle's chat template
+    rendered, less its leading BOS text where the config's bos-token is one Genie prepends itself
+    (qualla dialog.cpp Dialog::query adds bos-token >= 0 before the text's ids), else it would be
+    there twice. verify's emulator starts from the same text. Light imports only: push and run work
+    in the tools image (no numpy, no onnx)."""
+    from stages.chat import render_chat
+    from stages.runtimes.genie.files import GENIE_CONFIG, TOKENIZER_CONFIG
+
+    text = render_chat(bundle_dir, prompt)
+    dialog = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
+    bos = json.loads((bundle_dir / TOKENIZER_CONFIG).read_text()).get("bos_token")
+    if dialog["context"].get("bos-token", -1) >= 0 and isinstance(bos, str) and text.startswith(bos):
+        text = text[len(bos) :]
+    return text
 
 
 RUNTIME = GenieRuntime()
