@@ -50,7 +50,7 @@ class GenieRuntime:
         self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path, prompt: str, **options: Any
     ) -> dict[str, Any]:
         """options: max_new_tokens, engine ("htp": the binaries on QNN's HTP emulation; "cpu": their
-        compiler inputs), thresholds (verify.Thresholds)."""
+        compiler inputs), thresholds (verify.Thresholds), heldout_check (False: VERIFY_HELDOUT=off)."""
         from stages.chat import ChatError
         from stages.checkpoint import CheckpointError
         from stages.runner import RunnerError

@@ -41,6 +41,7 @@ from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, check_inputs, copy_file, read_report, sha256_file, stage_output
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.files import GENIE_CONFIG, HTP_EXT_CONFIG, MANIFEST, TOKENIZER, TOKENIZER_CONFIG
+from stages.runtimes.genie.rules import sampler_problems
 
 TEMPLATES = Path(__file__).resolve().parents[3] / "templates"
 # Gemma 4's published sampling defaults (its generation_config.json), used when a checkpoint
@@ -357,7 +358,8 @@ def consistency_errors(
     genie: dict[str, Any], files: dict[str, Path], io: dict[str, dict[str, dict[str, Any]]], geo: Geometry
 ) -> list[str]:
     """What the schema cannot see: the files the config names must exist, its shapes agree with the
-    graphs' (`config_vs_graphs`), Genie must be able to feed every LUT-fed input from its LUT, and every
+    graphs' (`config_vs_graphs`), its sampler is one Genie accepts, Genie must be able to feed every
+    LUT-fed input from its LUT, and every
     tensor several graphs share must have one encoding (what Genie checks when it loads the binaries)."""
     d = genie["dialog"]
     errors = []
@@ -369,6 +371,7 @@ def consistency_errors(
         for direction in ("inputs", "outputs")
     }
     errors += config_vs_graphs(d, shapes["inputs"], shapes["outputs"], geo)
+    errors += [f"genie_config.json {e}" for e in sampler_problems(d["sampler"], d["context"]["n-vocab"])]
     for lut_key in LUT_INPUTS.values():
         key = GENIE_LUT_SECTION[lut_key]
         lut = d.get(key)

@@ -3,7 +3,12 @@
 It reads the bundle itself: the manifest's hashes, genie_config.json, the LUT files, and for every
 binary the quantized graph it was compiled from. Checks: every file matches the manifest; every
 binary carries its graph's I/O tensor names; the graph I/O agrees with the config (embedding
-widths, vocabulary, context size, cache groups and their kv-dims, the sliding window, LUT sizes).
+widths, vocabulary, context size, cache groups and their kv-dims, QnnHtp's kv-dim, the sliding
+window, LUT sizes); the fields no shape decides agree with what does (`config_vs_sources`: ctx-bins
+with compile's binaries, bos/eos/pad and the sampler with the checkpoint, tokenizer.path with the
+bundle's tokenizer), and Genie's own validator (libGenie.so) accepts the config. A manifest
+re-signed after an edit therefore still fails, on the field's meaning. The prompt reaches the
+emulator as it reaches Genie: `make run`'s text, bos-token, the tokenizer tokenizer.path names.
 Then the bundle runs under the Genie emulator (stages/runtimes/genie/emulator.py: the ctx-bins on the HTP
 emulation by default, or their compiler inputs on the CPU EP) and transformers runs the same
 checkpoint: greedy tokens, the length of the common prefix, top-1 agreement along transformers'
@@ -395,6 +400,7 @@ def run_verify(
             {
                 "bundle": json.loads((bundle_dir / MANIFEST).read_text())["name"],
                 "checks": "manifest hashes, binary graph I/O vs quantized graphs and genie_config.json, "
+                "genie_config.json's other fields vs compile and the checkpoint, libGenie.so's validator, "
                 "the binaries under a Genie emulator vs transformers and the host runner",
                 "engine": {
                     "name": engine,
