@@ -54,12 +54,14 @@ def test_the_binaries_under_the_emulator_match_transformers(verified):
 
 
 def test_cpu_engine_follows_the_same_path(bundled, verified):
-    from stages.chat import ChatTokenizer
+    from stages.runtimes.genie import query_text
 
     compiled = json.loads((bundled / "compiled" / "report.json").read_text())
     em = GenieEmulator(bundled / "genie_bundle", compiled, "cpu", bundled / "quantized")
-    ids = ChatTokenizer(bundled / "genie_bundle").chat_ids(PROMPT)
-    run = em.generate(ids, 32)
+    ids = em.query_ids(query_text(bundled / "genie_bundle", PROMPT))
+    run = em.generate(
+        ids, 32, greedy=True
+    )  # the config samples (temp 1.0, top-k 64); verify compares greedily
     same = sum(a == b for a, b in zip(run.tokens, verified["transformers_tokens"], strict=False))
     assert same >= 31
 
