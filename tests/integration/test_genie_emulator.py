@@ -54,7 +54,7 @@ def test_the_binaries_under_the_emulator_match_transformers(verified):
 
 
 def test_cpu_engine_follows_the_same_path(bundled, verified):
-    from stages.runtimes.genie import query_text
+    from stages.runtimes.genie.prompt import query_text
 
     compiled = json.loads((bundled / "compiled" / "report.json").read_text())
     em = GenieEmulator(bundled / "genie_bundle", compiled, "cpu", bundled / "quantized")
@@ -401,7 +401,7 @@ def test_the_emulator_alone_uses_the_fields_as_genie_does(mutable):
 
 def test_the_emulator_samples_as_the_config_asks(bundled, verified):
     """Genie's greedy rule (temp <= 0 or top-k == 1) and, otherwise, draws from the config's top-k."""
-    from stages.runtimes.genie import query_text
+    from stages.runtimes.genie.prompt import query_text
 
     compiled = json.loads((bundled / "compiled" / "report.json").read_text())
     em = GenieEmulator(bundled / "genie_bundle", compiled, "cpu", bundled / "quantized")

@@ -55,7 +55,7 @@ def _bundle(tmp_path, bos_token: int):
 
 
 def test_the_query_text_leaves_the_bos_to_genie_when_it_adds_one(tmp_path):
-    from stages.runtimes.genie import query_text
+    from stages.runtimes.genie.prompt import query_text
 
     assert query_text(_bundle(tmp_path, 2), "hi") == "<|turn>user\nhi<turn|>\n<|turn>model"
     # bos-token -1: Genie adds none (qualla Dialog::query), so the template's stays.

@@ -6,11 +6,12 @@
   the emulator against transformers and against its own quantized graphs.
 - `emulator.py`: the host emulator of how Genie drives the graphs (LUT feeds, KV cache, sampling).
 - `device.py`: adb push of the bundle and the QAIRT runtime, and genie-t2t-run on the phone.
+- `prompt.py`: the prompt text genie-t2t-run gets, for `make run` and the emulator alike.
+- `rules.py`: what Genie's runtime refuses (sliding-window steps, sampler ranges), worded once.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,7 @@ class GenieRuntime:
     def run(self, bundle_dir: Path, prompt: str, serial: str | None, adb: str) -> dict[str, Any]:
         from stages.chat import ChatError
         from stages.runtimes.genie.device import DeviceError, read_manifest, run_on_device
+        from stages.runtimes.genie.prompt import query_text
 
         read_manifest(bundle_dir)  # no bundle: say which stage to run before reading its files
         try:
@@ -76,23 +78,6 @@ class GenieRuntime:
         except ChatError as e:
             raise DeviceError(f"{bundle_dir}: {e}") from None
         return run_on_device(bundle_dir, text, serial, adb)
-
-
-def query_text(bundle_dir: Path, prompt: str) -> str:
-    """The text `make run` hands genie-t2t-run for a one-turn prompt: the bundle's chat template
-    rendered, less its leading BOS text where the config's bos-token is one Genie prepends itself
-    (qualla dialog.cpp Dialog::query adds bos-token >= 0 before the text's ids), else it would be
-    there twice. verify's emulator starts from the same text. Light imports only: push and run work
-    in the tools image (no numpy, no onnx)."""
-    from stages.chat import render_chat
-    from stages.runtimes.genie.files import GENIE_CONFIG, TOKENIZER_CONFIG
-
-    text = render_chat(bundle_dir, prompt)
-    dialog = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-    bos = json.loads((bundle_dir / TOKENIZER_CONFIG).read_text()).get("bos_token")
-    if dialog["context"].get("bos-token", -1) >= 0 and isinstance(bos, str) and text.startswith(bos):
-        text = text[len(bos) :]
-    return text
 
 
 RUNTIME = GenieRuntime()

@@ -291,9 +291,9 @@ def run_verify(
     from stages.chat import ChatTokenizer, render_chat
     from stages.checkpoint import Checkpoint, stop_token_ids
     from stages.reference import greedy_tokens, logits_of, transformers_model
-    from stages.runtimes.genie import query_text
     from stages.runtimes.genie.bundle import GENIE_VALIDATOR
     from stages.runtimes.genie.emulator import GENIE_BEHAVIOURS, EmulatorError, GenieEmulator
+    from stages.runtimes.genie.prompt import query_text
     from stages.runtimes.genie.rules import sampler_is_greedy
 
     bundle_dir, compiled_dir = output_dir(workdir, "bundle"), output_dir(workdir, "compile")
