@@ -276,6 +276,13 @@ def _echo_bundle_limits(obj: Context) -> None:
     help="fail below this top-1 agreement with transformers (default: the preset's quality floor for the "
     "precision less a margin); the bundle against its own quantized graphs keeps its fixed threshold",
 )
+@click.option(
+    "--heldout/--no-heldout",
+    default=True,
+    show_default=True,
+    help="top-1 agreement with transformers on held-out text too (VERIFY_HELDOUT=off: skip it; the "
+    "report records that it was switched off)",
+)
 @click.pass_obj
 def verify(
     obj: Context,
@@ -284,6 +291,7 @@ def verify(
     engine: str,
     min_prefix: int | None,
     min_top1: float | None,
+    heldout: bool,
 ) -> None:
     """Check genie_bundle/ on the host: hashes, binaries vs config, the binaries under a Genie emulator
     vs transformers; into verify/."""
@@ -298,11 +306,12 @@ def verify(
             engine=engine,
             min_prefix=min_prefix,
             min_top1=min_top1,
+            heldout_check=heldout,
         )
     except RuntimeFailure as e:
         raise UserError(str(e)) from None
     fig = report["figures"]
-    heldout = fig["heldout"]
+    held = fig["heldout"]
     click.echo(f"prompt: {prompt}")
     click.echo(f"bundle (Genie emulator, {engine}): {fig['bundle_text']!r}")
     click.echo(f"transformers (float):      {fig['transformers_text']!r}")
@@ -310,7 +319,11 @@ def verify(
         f"{obj.workdir / 'verify'}: {fig['bundle']} passes its checks; greedy tokens match transformers for "
         f"{fig['matching_prefix_tokens']} of {len(fig['transformers_tokens'])}, top-1 agreement "
         f"{fig['top1_agreement']:.3f}"
-        + (f", held-out {heldout['top1_agreement']:.3f}" if heldout["ran"] else ", held-out text not checked")
+        + (
+            f", held-out {held['top1_agreement']:.3f}"
+            if held["ran"]
+            else f", held-out text not checked ({held['switched_off_by']})"
+        )
         + f" (floor {fig['thresholds']['min_top1_agreement_with_transformers']}); with its own quantized "
         f"graphs on the host {fig['bundle_vs_host_runner_logits']['top1_agreement']:.3f}"
     )

@@ -338,14 +338,22 @@ def check_binary(path: Path, soc: Soc, io_names: list[str]) -> dict[str, Any]:
         raise CompileError(f"{path.name} is empty")
     socs = sorted({m.decode() for m in re.findall(rb"soc_type=(\w+);arch=\d+", data)})
     archs = sorted({int(m) for m in re.findall(rb"soc_type=\w+;arch=(\d+)", data)})
-    if socs and (socs != [soc.name] or archs != [soc.htp_arch]):
+    if not socs:
+        # Without the string nothing says which Hexagon the binary was prepared for: refused, not
+        # passed unchecked.
+        raise CompileError(
+            f"{path.name} carries no soc_type=...;arch=... string, so it cannot be confirmed to be "
+            f"built for {soc.name} / arch {soc.htp_arch}; compile again with the pinned onnxruntime-qnn "
+            "(docker/compile/requirements.lock), whose binaries carry it"
+        )
+    if socs != [soc.name] or archs != [soc.htp_arch]:
         raise CompileError(
             f"{path.name} was built for {socs} / arch {archs}, not {soc.name} / {soc.htp_arch}"
         )
     missing = [t for t in io_names if t.encode() not in data]
     if missing:
         raise CompileError(f"{path.name} lacks the graph I/O tensors {', '.join(missing[:8])}")
-    return {"soc_type": socs[0] if socs else None, "arch": archs[0] if archs else None}
+    return {"soc_type": socs[0], "arch": archs[0]}
 
 
 # ---- the stage ----

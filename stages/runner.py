@@ -161,7 +161,7 @@ class Sampling:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = 0  # None: seeded from the clock
 
     def picker(self) -> Callable[[np.ndarray], int]:
         rng = np.random.default_rng(self.seed)

@@ -8,12 +8,13 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from stages.compile import run_compile
 from stages.config import load_config
 from stages.report import IntegrityError, write_report
-from stages.runtimes.genie.bundle import run_bundle
+from stages.runtimes.genie.bundle import check_manifest, run_bundle
 from stages.runtimes.genie.emulator import EmulatorError, GenieEmulator
 from stages.runtimes.genie.verify import VerifyError, run_verify
 from tests.conftest import copy_workdir, rewrite_report
@@ -53,12 +54,14 @@ def test_the_binaries_under_the_emulator_match_transformers(verified):
 
 
 def test_cpu_engine_follows_the_same_path(bundled, verified):
-    from stages.chat import ChatTokenizer
+    from stages.runtimes.genie.prompt import query_text
 
     compiled = json.loads((bundled / "compiled" / "report.json").read_text())
     em = GenieEmulator(bundled / "genie_bundle", compiled, "cpu", bundled / "quantized")
-    ids = ChatTokenizer(bundled / "genie_bundle").chat_ids(PROMPT)
-    run = em.generate(ids, 32)
+    ids = em.query_ids(query_text(bundled / "genie_bundle", PROMPT))
+    run = em.generate(
+        ids, 32, greedy=True
+    )  # the config samples (temp 1.0, top-k 64); verify compares greedily
     same = sum(a == b for a, b in zip(run.tokens, verified["transformers_tokens"], strict=False))
     assert same >= 31
 
@@ -283,3 +286,164 @@ def test_verify_floor_does_not_follow_the_quantize_report(mutable):
     fig = _verify(mutable)["figures"]
     assert fig["thresholds"]["min_top1_agreement_with_transformers"] == 0.9
     assert fig["thresholds"]["with_transformers_from"] == "min_top1_agreement_w8 0.95 less 0.05"
+
+
+# ---- every genie_config.json field verify used to take as given, edited and re-signed ----
+def _swap_first_two(items: list) -> list:
+    return [items[1], items[0], *items[2:]]
+
+
+def _edit_chat_template(work: Path) -> None:
+    path = work / "genie_bundle" / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["chat_template"] = cfg["chat_template"].replace("model", "assistant")
+    path.unlink()
+    path.write_text(json.dumps(cfg, indent=2))
+    _resign(work / "genie_bundle")
+
+
+@pytest.mark.parametrize(
+    "edit,cause",
+    [
+        (
+            lambda g: g["engine"]["model"]["binary"].update(
+                {"ctx-bins": _swap_first_two(g["engine"]["model"]["binary"]["ctx-bins"])}
+            ),
+            r"engine\.model\.binary\.ctx-bins is \['decode_ar1_part1_of_2.bin', 'prefill_ar8_part1_of_2.bin'",
+        ),
+        (
+            lambda g: g["engine"]["backend"]["QnnHtp"].update({"kv-dim": 32}),
+            "engine.backend.QnnHtp.kv-dim is 32, the graphs and the model say 16",
+        ),
+        (
+            lambda g: g["context"].update({"bos-token": 3}),
+            "context.bos-token is 3, the checkpoint tiny says 2",
+        ),
+        (
+            lambda g: g["context"].update({"pad-token": 5}),
+            "context.pad-token is 5, the checkpoint tiny says 0",
+        ),
+        (lambda g: g["context"].update({"eos-token": [1]}), r"context\.eos-token is \[1\]"),
+        (lambda g: g["sampler"].update({"temp": 0.5}), "sampler.temp is 0.5, the checkpoint tiny says 1.0"),
+        (
+            lambda g: g["sampler"].update({"top-k": 300}),
+            "sampler.top-k is 300; Genie takes 0 .all. to n-vocab",
+        ),
+        (
+            lambda g: g["sampler"].update({"top-p": 0.5}),
+            "sampler.top-p is 0.5, the checkpoint tiny says 0.95",
+        ),
+        (lambda g: g["sampler"].update({"seed": 7}), "sampler.seed is 7, the checkpoint tiny says 42"),
+        (
+            lambda g: g["tokenizer"].update({"path": "tokenizer_config.json"}),
+            "tokenizer.path is 'tokenizer_config.json', the bundle .its tokenizer file. says",
+        ),
+        (None, "its tokenizer_config.json chat_template renders the prompt unlike the checkpoint's"),
+    ],
+    ids=[
+        "ctx-bins-order",
+        "qnnhtp-kv-dim",
+        "bos",
+        "pad",
+        "eos",
+        "sampler-temp",
+        "sampler-top-k",
+        "sampler-top-p",
+        "sampler-seed",
+        "tokenizer-path",
+        "chat-template",
+    ],
+)
+def test_a_re_signed_config_edit_is_refused_naming_the_field(mutable, edit, cause):
+    """The manifest agrees with every edited file (re-signed), so only the field's meaning can
+    catch it: verify fails with a line naming the field, before it runs anything."""
+    if edit is None:
+        _edit_chat_template(mutable)
+    else:
+        _edit_genie_config(mutable, edit)
+    assert not check_manifest(mutable / "genie_bundle")
+    with pytest.raises(VerifyError, match=cause):
+        _verify(mutable)
+
+
+def test_the_emulator_alone_uses_the_fields_as_genie_does(mutable):
+    """Without verify's checks against the checkpoint and compile, the emulator still refuses what
+    Genie could not run, and prepends the config's bos-token to the query as Genie does."""
+    compiled = json.loads((mutable / "compiled" / "report.json").read_text())
+    for edit, cause in [
+        (
+            lambda g: g["tokenizer"].update({"path": "missing.json"}),
+            "tokenizer.path 'missing.json' names no file",
+        ),
+        (lambda g: g["tokenizer"].update({"path": "../tokenizer.json"}), "names no file of the bundle"),
+        (
+            lambda g: g["engine"]["backend"]["QnnHtp"].update({"kv-dim": 3}),
+            "QnnHtp kv-dim 3 in genie_config.json",
+        ),
+        (lambda g: g["sampler"].update({"top-p": 1.5}), "sampler.top-p is 1.5; Genie's schema needs"),
+        (
+            lambda g: g["engine"]["model"]["binary"]["ctx-bins"].append("decode_ar1_part1_of_2.bin"),
+            "ctx-bins lists decode_ar1_part1_of_2.bin more than once",
+        ),
+    ]:
+        work = copy_workdir(mutable, mutable.parent / f"m{len(cause)}")
+        _edit_genie_config(work, edit)
+        with pytest.raises(EmulatorError, match=cause):
+            GenieEmulator(work / "genie_bundle", compiled, "cpu", work / "quantized")
+    work = copy_workdir(mutable, mutable.parent / "bos")
+    _edit_genie_config(work, lambda g: g["context"].update({"bos-token": 7}))
+    em = GenieEmulator(work / "genie_bundle", compiled, "cpu", work / "quantized")
+    assert (
+        em.query_ids("hello")[0] == 7
+        and em.query_ids("hello")[1:] == em.tokenizer.encode("hello", add_special_tokens=False).ids
+    )
+
+
+def test_the_emulator_samples_as_the_config_asks(bundled, verified):
+    """Genie's greedy rule (temp <= 0 or top-k == 1) and, otherwise, draws from the config's top-k."""
+    from stages.runtimes.genie.prompt import query_text
+
+    compiled = json.loads((bundled / "compiled" / "report.json").read_text())
+    em = GenieEmulator(bundled / "genie_bundle", compiled, "cpu", bundled / "quantized")
+    ids = em.query_ids(query_text(bundled / "genie_bundle", PROMPT))
+    assert em.generate(ids, 8, greedy=True).tokens == verified["bundle_tokens"][:8]
+    em.sampler = {**em.sampler, "top-k": 1}
+    assert em.generate(ids, 8).tokens == verified["bundle_tokens"][:8]  # top-k 1 is greedy
+    em.sampler = {**em.sampler, "top-k": 3, "temp": 5.0, "top-p": 1.0}
+    raw = em.prefill(ids)
+    top3 = set(np.argsort(-raw.astype(np.int64))[:3].tolist())
+    em.reset()
+    drawn = {em.pick(raw, greedy=False) for _ in range(40)}
+    assert drawn <= top3 and len(drawn) > 1
+
+
+def test_verify_records_its_sampler_and_validator(verified):
+    assert verified["sampler"]["config"]["top-k"] == 64 and not verified["sampler"]["greedy_in_genie"]
+    assert verified["sampler"]["compared"].startswith("greedy")
+    assert verified["genie_validator"].startswith("libGenie.so")
+
+
+# ---- no silent skips ----
+def test_verify_fails_without_held_out_text_and_can_be_switched_off(mutable, monkeypatch):
+    import stages.calibration as calibration
+
+    def offline(*_args, **_kwargs):
+        raise calibration.CalibrationError("cannot load WikiText-2 (offline)")
+
+    monkeypatch.setattr(calibration, "load_texts", offline)
+    with pytest.raises(
+        VerifyError, match=r"held-out check cannot run: cannot load WikiText-2.*VERIFY_HELDOUT=off"
+    ):
+        _verify(mutable)
+    fig = run_verify(
+        load_config("tiny"),
+        mutable,
+        mutable / "checkpoints" / "tiny",
+        PROMPT,
+        engine="cpu",
+        heldout_check=False,
+    )["figures"]
+    assert fig["heldout"] == {
+        "ran": False,
+        "switched_off_by": "VERIFY_HELDOUT=off (g4v69 verify --no-heldout)",
+    }

@@ -6,11 +6,12 @@
   the emulator against transformers and against its own quantized graphs.
 - `emulator.py`: the host emulator of how Genie drives the graphs (LUT feeds, KV cache, sampling).
 - `device.py`: adb push of the bundle and the QAIRT runtime, and genie-t2t-run on the phone.
+- `prompt.py`: the prompt text genie-t2t-run gets, for `make run` and the emulator alike.
+- `rules.py`: what Genie's runtime refuses (sliding-window steps, sampler ranges), worded once.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,8 @@ class GenieRuntime:
         self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path, prompt: str, **options: Any
     ) -> dict[str, Any]:
         """options: max_new_tokens, engine ("htp": the binaries on QNN's HTP emulation; "cpu": their
-        compiler inputs), min_prefix and min_top1 (None: verify.Thresholds' defaults)."""
+        compiler inputs), min_prefix and min_top1 (None: verify.Thresholds' defaults), heldout_check
+        (False: VERIFY_HELDOUT=off)."""
         from stages.chat import ChatError
         from stages.checkpoint import CheckpointError
         from stages.runner import RunnerError
@@ -73,21 +75,15 @@ class GenieRuntime:
         return push_bundle(bundle_dir, sdk_root, serial, adb)
 
     def run(self, bundle_dir: Path, prompt: str, serial: str | None, adb: str) -> dict[str, Any]:
-        # Light imports only: push and run work in the tools image (no numpy, no onnx).
-        from stages.chat import ChatError, render_chat
+        from stages.chat import ChatError
         from stages.runtimes.genie.device import DeviceError, read_manifest, run_on_device
-        from stages.runtimes.genie.files import GENIE_CONFIG, TOKENIZER_CONFIG
+        from stages.runtimes.genie.prompt import query_text
 
         read_manifest(bundle_dir)  # no bundle: say which stage to run before reading its files
         try:
-            text = render_chat(bundle_dir, prompt)
+            text = query_text(bundle_dir, prompt)
         except ChatError as e:
             raise DeviceError(f"{bundle_dir}: {e}") from None
-        dialog = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-        bos = json.loads((bundle_dir / TOKENIZER_CONFIG).read_text()).get("bos_token")
-        # Genie prepends the config's bos-token itself; the template's own would make it twice.
-        if "bos-token" in dialog["context"] and isinstance(bos, str) and text.startswith(bos):
-            text = text[len(bos) :]
         return run_on_device(bundle_dir, text, serial, adb)
 
 

@@ -47,11 +47,13 @@ from stages.report import (
 )
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.files import GENIE_CONFIG, HTP_EXT_CONFIG, MANIFEST, TOKENIZER, TOKENIZER_CONFIG
+from stages.runtimes.genie.rules import sampler_problems
 
 TEMPLATES = Path(__file__).resolve().parents[3] / "templates"
 # Gemma 4's published sampling defaults (its generation_config.json), used when a checkpoint
 # carries none: the tiny model's has only token ids.
 GEMMA_SAMPLER = {"temperature": 1.0, "top_k": 64, "top_p": 0.95}
+SAMPLER_SEED = 42  # a fixed seed: the same prompt samples the same answer on every run
 # Genie on the phone: 3 threads on the big cores (0xe0: cores 5-7 of 8).
 ENGINE_THREADS = 3
 ENGINE_CPU_MASK = "0xe0"
@@ -74,6 +76,50 @@ def _first(io: dict, direction: str, name: str) -> dict[str, Any]:
     raise BundleError(f"no compiled graph has the {direction[:-1]} tensor {name!r}; run `make compile` again")
 
 
+def checkpoint_fields(checkpoint_dir: Path) -> dict[str, dict[str, Any]]:
+    """The genie_config.json fields the checkpoint decides, by their Genie names: context bos-token,
+    eos-token (the stop ids) and pad-token, and the sampler (its generation_config.json's settings,
+    Gemma's published ones where it has none, seed SAMPLER_SEED). The bundle writes them; verify holds
+    a bundle's config to them."""
+    from stages.checkpoint import Checkpoint, stop_token_ids
+
+    config = Checkpoint(checkpoint_dir).geometry.config
+    gen_path = checkpoint_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    return {
+        "context": {
+            "bos-token": gen.get("bos_token_id", config.get("bos_token_id")),
+            "eos-token": stop_token_ids(checkpoint_dir),
+            "pad-token": gen.get("pad_token_id", config.get("pad_token_id", 0)),
+        },
+        "sampler": {
+            "seed": SAMPLER_SEED,
+            "temp": gen.get("temperature", GEMMA_SAMPLER["temperature"]),
+            "top-k": gen.get("top_k", GEMMA_SAMPLER["top_k"]),
+            "top-p": gen.get("top_p", GEMMA_SAMPLER["top_p"]),
+        },
+    }
+
+
+def kv_dims(inputs: dict[str, list[int]]) -> dict[str, int]:
+    """Cache prefix ("past_", "swa_") -> the width of its entries: a key cache input is
+    (1, 1, head_dim, kv_len), and its head_dim is the group's kv-dim."""
+    dims = {}
+    for attention in (FULL, SLIDING):
+        prefix = f"{CACHE_PREFIX[attention]}_"
+        keys = [shape for t, shape in inputs.items() if re.match(rf"{prefix}key_\d+_h\d+_in$", t)]
+        if keys:
+            dims[prefix] = keys[0][-2]
+    return dims
+
+
+def backend_kv_dim(dims: dict[str, int]) -> int:
+    """QnnHtp's top-level kv-dim: Genie's default for a cache group that names none (qualla
+    engines/qnn-htp.cpp reads it, default 128); ours is the smallest group's, as in Qualcomm's own
+    E2B bundle, and every group names its own."""
+    return min(dims.values())
+
+
 def render_context(
     cfg: PipelineConfig,
     checkpoint_dir: Path,
@@ -81,29 +127,24 @@ def render_context(
     compiled: dict[str, Any],
 ) -> dict[str, Any]:
     """Everything the two templates print, derived; nothing here is a hand-copied number."""
-    from stages.checkpoint import Checkpoint, stop_token_ids
+    from stages.checkpoint import Checkpoint
 
     geo = Checkpoint(checkpoint_dir).geometry
     soc = cfg.soc_info
     io = _io(compiled)
-    gen_path = checkpoint_dir / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-    eos_ids = stop_token_ids(checkpoint_dir)
-    bos = gen.get("bos_token_id", geo.config.get("bos_token_id"))
-    pad = gen.get("pad_token_id", geo.config.get("pad_token_id", 0))
+    ids = checkpoint_fields(checkpoint_dir)
     logits = _first(io, "outputs", LOGITS)
     mask = _first(io, "inputs", MASK_NAME[FULL])
-    # A key cache input is (1, 1, head_dim, kv_len): its head_dim is the group's kv-dim.
+    dims = kv_dims({t: e["shape"] for g in io.values() for t, e in g["inputs"].items()})
     groups = []
     for attention in (FULL, SLIDING):
         prefix = f"{CACHE_PREFIX[attention]}_"
-        keys = [e for g in io.values() for t, e in g["inputs"].items() if t.startswith(f"{prefix}key_")]
-        if not keys:
+        if prefix not in dims:
             continue
         groups.append(
             {
                 "prefix": prefix,
-                "kv_dim": keys[0]["shape"][-2],
+                "kv_dim": dims[prefix],
                 "mask": MASK_NAME[attention],
                 "window": geo.sliding_window if attention == SLIDING else None,
             }
@@ -133,26 +174,20 @@ def render_context(
             "offset": lut["offset"],
             "source": lut["path"],
         }
-    sampler = {
-        "seed": 42,
-        "temp": gen.get("temperature", GEMMA_SAMPLER["temperature"]),
-        "top_k": gen.get("top_k", GEMMA_SAMPLER["top_k"]),
-        "top_p": gen.get("top_p", GEMMA_SAMPLER["top_p"]),
-    }
     return {
         "context": {
             "size": mask["shape"][-1],
             "n_vocab": logits["shape"][-1],
-            "bos": bos,
-            "eos": eos_ids,
-            "pad": pad,
+            "bos": ids["context"]["bos-token"],
+            "eos": ids["context"]["eos-token"],
+            "pad": ids["context"]["pad-token"],
         },
-        "sampler": sampler,
+        "sampler": ids["sampler"],
         "tokenizer": TOKENIZER,
         "engine": {
             "n_threads": ENGINE_THREADS,
             "cpu_mask": ENGINE_CPU_MASK,
-            "kv_dim": min(g["kv_dim"] for g in groups),
+            "kv_dim": backend_kv_dim(dims),
             "extensions": HTP_EXT_CONFIG,
         },
         "ctx_bins": [b["file"] for b in compiled["figures"]["binaries"]],
@@ -284,6 +319,13 @@ def config_vs_graphs(
             expect(f"{section}.size", dialog[section]["size"], math.prod(inputs[tensor][2:]))
         elif tensor in inputs:
             problems.append(f"genie_config.json has no {section} section to feed the graph input {tensor}")
+    dims = kv_dims(inputs)
+    if dims:
+        expect(
+            "engine.backend.QnnHtp.kv-dim",
+            dialog["engine"]["backend"]["QnnHtp"].get("kv-dim"),
+            backend_kv_dim(dims),
+        )
     for group in dialog["engine"]["cache-groups"]:
         attention = FULL if group["prefix"] == f"{CACHE_PREFIX[FULL]}_" else SLIDING
         keys = [s for t, s in inputs.items() if re.match(rf"{group['prefix']}key_\d+_h\d+_in$", t)]
@@ -322,7 +364,8 @@ def consistency_errors(
     genie: dict[str, Any], files: dict[str, Path], io: dict[str, dict[str, dict[str, Any]]], geo: Geometry
 ) -> list[str]:
     """What the schema cannot see: the files the config names must exist, its shapes agree with the
-    graphs' (`config_vs_graphs`), Genie must be able to feed every LUT-fed input from its LUT, and every
+    graphs' (`config_vs_graphs`), its sampler is one Genie accepts, Genie must be able to feed every
+    LUT-fed input from its LUT, and every
     tensor several graphs share must have one encoding (what Genie checks when it loads the binaries)."""
     d = genie["dialog"]
     errors = []
@@ -334,6 +377,7 @@ def consistency_errors(
         for direction in ("inputs", "outputs")
     }
     errors += config_vs_graphs(d, shapes["inputs"], shapes["outputs"], geo)
+    errors += [f"genie_config.json {e}" for e in sampler_problems(d["sampler"], d["context"]["n-vocab"])]
     for lut_key in LUT_INPUTS.values():
         key = GENIE_LUT_SECTION[lut_key]
         lut = d.get(key)
@@ -362,25 +406,32 @@ def consistency_errors(
     return errors
 
 
-def genie_validator_errors(genie: dict[str, Any]) -> list[str] | None:
-    """Genie's own schema check through onnxruntime-qnn's x86 libGenie.so (QAIRT 2.51), or None where
-    that library is not installed. Genie prints its findings on stderr (fd 2): they are captured."""
+GENIE_VALIDATOR = "libGenie.so (onnxruntime-qnn, QAIRT 2.51): GenieDialogConfig_createFromJson"
+
+
+def genie_validator_errors(genie: dict[str, Any]) -> list[str]:
+    """Genie's own schema check through onnxruntime-qnn's x86 libGenie.so (QAIRT 2.51). Genie prints
+    its findings on stderr (fd 2): they are captured. Where the library is missing or will not load,
+    that is the one problem returned: a config no validator has read is not passed on."""
     import ctypes
     import tempfile
 
     try:
         import onnxruntime_qnn
-    except ImportError:
-        return None
-    lib = ctypes.CDLL(str(Path(onnxruntime_qnn.__file__).parent / "libGenie.so"))
+
+        lib = ctypes.CDLL(str(Path(onnxruntime_qnn.__file__).parent / "libGenie.so"))
+    except (ImportError, OSError) as e:
+        return [
+            f"Genie's validator could not run ({e.__class__.__name__}: {e}): it is libGenie.so from "
+            "onnxruntime-qnn, which the compile and export images carry; run with RUNNER=docker, or "
+            "install the pinned onnxruntime-qnn (docker/compile/requirements.lock) into this environment"
+        ]
     create = lib.GenieDialogConfig_createFromJson
     create.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
     create.restype = ctypes.c_int32
     lib.GenieDialogConfig_free.argtypes = [ctypes.c_void_p]
     handle = ctypes.c_void_p()
     with tempfile.TemporaryFile() as capture:
-        import sys
-
         sys.stdout.flush()
         sys.stderr.flush()
         saved = {fd: os.dup(fd) for fd in (1, 2)}
@@ -441,8 +492,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
 
     problems += consistency_errors(genie, files, io, Checkpoint(checkpoint_dir).geometry)
     if not problems:
-        genie_says = genie_validator_errors(genie)
-        problems += genie_says or []
+        problems += genie_validator_errors(genie)
     if problems:
         raise BundleError("the rendered configs are wrong:\n  " + "\n  ".join(problems))
     feeds = lut_feeds(genie, io)
@@ -506,7 +556,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
                 "bytes": sum(f["bytes"] for f in manifest["files"]),
                 "manifest_sha256": sha256_file(run.dir / MANIFEST),
                 "lut_feeds": feeds,
-                "genie_validator": "libGenie.so (onnxruntime-qnn)" if _has_genie() else "not available here",
+                "genie_validator": GENIE_VALIDATOR,
             }
         )
     return read_report(job.out_dir)
@@ -514,14 +564,6 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
 
 def _schema(name: str) -> dict[str, Any]:
     return json.loads((TEMPLATES / f"{name}.schema.json").read_text())
-
-
-def _has_genie() -> bool:
-    try:
-        import onnxruntime_qnn  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -38,6 +38,16 @@ Genie behaviours emulated, and the public file each follows (GENIE_BEHAVIOURS li
 - Decoding: the prompt is prefilled, a token is picked from the last row of the quantized logits, fed
   back one per step, and generation stops on any id of context.eos-token or a full context
   (qualla/dialogs/basic.cpp).
+- The query: Genie prepends context.bos-token (when >= 0) to the ids of the text it is given, read
+  with the tokenizer that tokenizer.path names, relative to the bundle (qualla/dialog.cpp
+  Dialog::Dialog and Dialog::query: "Add BOS", then _tokenizer->encode). pad-token only fills token-id
+  inputs (nsp-model.cpp setupInput); these binaries take embeddings, whose padded rows get the EOS
+  embedding, so pad-token changes nothing here and verify holds it to the checkpoint instead.
+- The sampler (qualla/samplers/basic-sampler.cpp): greedy when temp <= 0 or top-k == 1, otherwise
+  top-k (0: all), top-p, softmax at temp, and a draw; its parameters are refused outside the ranges
+  Genie accepts (stages/runtimes/genie/rules.py).
+- QnnHtp kv-dim is the kv-dim of a cache group that names none (qualla engines/qnn-htp.cpp); the
+  binaries' KV entries must have that width in some group.
 
 Assumptions (Genie's Gemma 4 support, Genie >= 2.48, is newer than the public source):
 - `per_layer_inputs` is fed from `perlayer-embedding` by the same T2E rule as `inputs_embeds`.
@@ -49,7 +59,12 @@ Assumptions (Genie's Gemma 4 support, Genie >= 2.48, is newer than the public so
 - A graph's tensor table (names, shapes, encodings, QNN graph name) is read from the compile stage's
   record of that very file (compiled/report.json, matched by sha256), where Genie reads it from the
   binary through the QNN system API.
-- The chat template is rendered on the host and its ids are fed as they are (no second BOS).
+- The chat template is rendered on the host as `make run` renders it (without its leading BOS text,
+  which Genie adds as bos-token), and Genie's tokenizer adds no special tokens of its own (the
+  tokenizers-cpp Encode(text) default).
+- A sampled draw is the host runner's (`stages.runner.Sampling`: temperature, then top-k and top-p)
+  with numpy's generator seeded by sampler.seed, not Genie's std::mt19937: the same distribution, not
+  the same draws.
 """
 
 from __future__ import annotations
@@ -69,7 +84,12 @@ from stages.contract import GENIE_LUT_SECTION, INPUTS_EMBEDS, LOGITS, LUT_INPUTS
 from stages.encoding import Encoding, feed, feed_mode
 from stages.geometry import FULL
 from stages.quiet import native_stdout_without
-from stages.runtimes.genie.rules import window_overflow
+from stages.runtimes.genie.rules import (
+    SAMPLER_DEFAULTS,
+    sampler_is_greedy,
+    sampler_problems,
+    window_overflow,
+)
 
 ENGINES = ("htp", "cpu")
 GENIE_SOURCE = "Genie public source, qualla/"
@@ -109,6 +129,21 @@ GENIE_BEHAVIOURS = [
         "behaviour": "prefill, pick from the last logits row, decode one token a step, stop on the "
         "eos-token list",
         "source": "qualla/dialogs/basic.cpp",
+    },
+    {
+        "behaviour": "the query: bos-token prepended to the ids of the text, read with the tokenizer "
+        "tokenizer.path names; pad-token unused by embedding inputs",
+        "source": "qualla/dialog.cpp (Dialog::Dialog, Dialog::query), "
+        "engines/qnn-htp/nsp-model.cpp (setupInput)",
+    },
+    {
+        "behaviour": "the sampler: greedy when temp <= 0 or top-k == 1, else top-k, top-p, softmax(temp), "
+        "draw; parameters outside Genie's ranges refused",
+        "source": "qualla/samplers/basic-sampler.cpp (BasicSampler), libGenie.so's dialog schema",
+    },
+    {
+        "behaviour": "QnnHtp kv-dim: the kv-dim of a cache group that names none",
+        "source": "qualla/engines/qnn-htp.cpp (NspEngine::NspEngine)",
     },
     {
         "behaviour": "ASSUMED: per_layer_inputs fed like inputs_embeds; both RoPE tables from "
@@ -172,7 +207,13 @@ def read_graphs(bundle_dir: Path, compiled_report: dict[str, Any]) -> list[Graph
     cfg = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
     records = {b["file"]: b for b in compiled_report["figures"]["binaries"]}
     graphs = []
-    for file in cfg["engine"]["model"]["binary"]["ctx-bins"]:
+    files = cfg["engine"]["model"]["binary"]["ctx-bins"]
+    twice = sorted({f for f in files if files.count(f) > 1})
+    if twice:
+        raise EmulatorError(
+            f"ctx-bins lists {', '.join(twice)} more than once: Genie would load the same graphs twice"
+        )
+    for file in files:
         path = bundle_dir / file
         rec = records.get(file)
         if rec is None or not path.is_file():
@@ -448,6 +489,13 @@ class GenieEmulator:
             self.engine = CpuEngine(quantized_dir)
         self.variants = self._variants()
         self.groups = self._cache_groups()
+        self._check_backend_kv_dim()
+        self.tokenizer = self._tokenizer()
+        self.sampler = dict(self.config["sampler"])
+        problems = sampler_problems(self.sampler, int(self.config["context"]["n-vocab"]))
+        if problems:
+            raise EmulatorError("Genie would refuse its sampler: " + "; ".join(problems))
+        self.bos = int(self.config["context"].get("bos-token", -1))
         self.luts = self._luts()
         self.rope = self._rope_entries()
         self.context = int(self.config["context"]["size"])
@@ -536,6 +584,43 @@ class GenieEmulator:
             )
         return groups
 
+    def _check_backend_kv_dim(self) -> None:
+        kv_dim = self.config["engine"]["backend"].get("QnnHtp", {}).get("kv-dim", 128)
+        widths = sorted({g.kv_dim for g in self.groups})
+        if kv_dim not in widths:
+            raise EmulatorError(
+                f"QnnHtp kv-dim {kv_dim} in genie_config.json, but the binaries' KV caches hold "
+                f"{' and '.join(map(str, widths))}-wide entries: a cache group without its own kv-dim "
+                "would be read at the wrong width"
+            )
+
+    def _tokenizer(self):
+        """The tokenizer tokenizer.path names, opened relative to the bundle as genie-t2t-run opens it
+        from the bundle folder; a path outside the bundle is refused (it would not be pushed)."""
+        from tokenizers import Tokenizer
+
+        name = self.config["tokenizer"]["path"]
+        path = (self.bundle_dir / name).resolve()
+        if not path.is_relative_to(self.bundle_dir.resolve()) or not path.is_file():
+            raise EmulatorError(f"tokenizer.path {name!r} names no file of the bundle {self.bundle_dir}")
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises its own exception type
+            raise EmulatorError(f"tokenizer.path {name!r}: not a tokenizer Genie can read ({e})") from None
+
+    def query_ids(self, text: str) -> list[int]:
+        """The ids Genie feeds for a query text: bos-token (when >= 0), then the text's own ids."""
+        return ([self.bos] if self.bos >= 0 else []) + self.tokenizer.encode(
+            text, add_special_tokens=False
+        ).ids
+
+    def pick(self, raw: np.ndarray, greedy: bool) -> int:
+        """One token from one row of raw logits: greedy (the first largest) where asked or where the
+        sampler is greedy, otherwise a draw after top-k, top-p and the temperature."""
+        if greedy or sampler_is_greedy(self.sampler):
+            return int(np.argmax(raw))
+        return self._draw(self.logits_encoding.dequantize(raw))
+
     def _luts(self) -> dict[str, tuple[np.ndarray, Encoding, Encoding]]:
         """graph input -> (LUT rows, LUT encoding, input encoding), refused where Genie cannot feed."""
         first = {n: t for g in self.graphs for n, t in g.inputs.items()}
@@ -577,6 +662,12 @@ class GenieEmulator:
 
     # -- state --
     def reset(self) -> None:
+        from stages.runner import Sampling
+
+        s = {**SAMPLER_DEFAULTS, **self.sampler}
+        # BasicSampler::reset reseeds; -1 seeds from the clock.
+        seed = int(s.get("seed", -1))
+        self._draw = Sampling(s["temp"], s["top-k"], s["top-p"], seed if seed >= 0 else None).picker()
         self.n_past = 0
         self.steps: list[dict[str, int]] = []
         for group in self.groups:
@@ -686,7 +777,9 @@ class GenieEmulator:
     def logits_encoding(self) -> Encoding:
         return self.variants[min(self.variants)][-1].outputs[LOGITS].encoding
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Emulation:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, greedy: bool = False) -> Emulation:
+        """Genie's answer to the prompt ids; greedy=True picks greedily whatever the config's sampler
+        (as Genie does with top-k 1 applied to its sampler)."""
         self.reset()
         run = Emulation(list(prompt_ids))
         t0 = time.perf_counter()
@@ -695,7 +788,7 @@ class GenieEmulator:
         t0 = time.perf_counter()
         while True:
             run.logits.append(self.logits_encoding.dequantize(raw))
-            tok = int(np.argmax(raw))
+            tok = self.pick(raw, greedy)
             run.tokens.append(tok)
             if tok in self.eos:
                 run.stopped_by = f"eos-token {tok}"

@@ -13,3 +13,44 @@ def window_overflow(prefix: str, step: int, slots: int, evictable: int) -> str:
         f"the {evictable} entries it can evict (Genie's SlidingWindow::processUpdate pops an empty "
         "recency queue): use a prefill AR no larger than the window"
     )
+
+
+# Genie's basic sampler (qualla samplers/basic-sampler.cpp, BasicSampler::BasicSampler): the keys it
+# reads and the defaults it takes when one is absent.
+SAMPLER_DEFAULTS = {"temp": 0.1, "top-k": 0, "top-p": 0.8}
+
+
+def sampler_is_greedy(sampler: dict) -> bool:
+    """BasicSampler's rule: greedy (the first largest logit) when temp <= 0 or top-k == 1; otherwise
+    it samples after top-k (0: the whole vocabulary), top-p and the temperature."""
+    temp = sampler.get("temp", SAMPLER_DEFAULTS["temp"])
+    return temp <= 0 or sampler.get("top-k", SAMPLER_DEFAULTS["top-k"]) == 1
+
+
+def sampler_problems(sampler: dict, n_vocab: int) -> list[str]:
+    """What Genie refuses in genie_config.json's sampler, one line per field: the ranges QAIRT 2.51's
+    libGenie.so schema enforces (temp >= 0, top-k >= 0, 0 <= top-p <= 1; checked against it), an
+    integer seed (-1: seeded from the clock, so no run repeats), and a top-k no larger than the
+    vocabulary it picks from."""
+    problems = []
+
+    def number(key: str, integer: bool = False) -> float | None:
+        value = sampler.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            problems.append(f"sampler.{key} is {value!r}, not {'an integer' if integer else 'a number'}")
+            return None
+        return value
+
+    seed, temp = number("seed", integer=True), number("temp")
+    top_k, top_p = number("top-k", integer=True), number("top-p")
+    if seed is not None and seed < -1:
+        problems.append(f"sampler.seed is {seed}; Genie takes -1 (clock) or a seed >= 0")
+    if temp is not None and temp < 0:
+        problems.append(f"sampler.temp is {temp}; Genie's schema needs temp >= 0 (0: greedy)")
+    if top_k is not None and not 0 <= top_k <= n_vocab:
+        problems.append(f"sampler.top-k is {top_k}; Genie takes 0 (all) to n-vocab {n_vocab} (1: greedy)")
+    if top_p is not None and not 0 <= top_p <= 1:
+        problems.append(f"sampler.top-p is {top_p}; Genie's schema needs 0 <= top-p <= 1")
+    return problems

@@ -3,7 +3,12 @@
 It reads the bundle itself: the manifest's hashes, genie_config.json, the LUT files, and for every
 binary the quantized graph it was compiled from. Checks: every file matches the manifest; every
 binary carries its graph's I/O tensor names; the graph I/O agrees with the config (embedding
-widths, vocabulary, context size, cache groups and their kv-dims, the sliding window, LUT sizes).
+widths, vocabulary, context size, cache groups and their kv-dims, QnnHtp's kv-dim, the sliding
+window, LUT sizes); the fields no shape decides agree with what does (`config_vs_sources`: ctx-bins
+with compile's binaries, bos/eos/pad and the sampler with the checkpoint, tokenizer.path with the
+bundle's tokenizer), and Genie's own validator (libGenie.so) accepts the config. A manifest
+re-signed after an edit therefore still fails, on the field's meaning. The prompt reaches the
+emulator as it reaches Genie: `make run`'s text, bos-token, the tokenizer tokenizer.path names.
 Then the bundle runs under the Genie emulator (stages/runtimes/genie/emulator.py: the ctx-bins on the HTP
 emulation by default, or their compiler inputs on the CPU EP) and transformers runs the same
 checkpoint: greedy tokens, the length of the common prefix, top-1 agreement along transformers'
@@ -31,7 +36,7 @@ from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, StageJob, read_report
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.bundle import check_manifest, config_vs_graphs
-from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST
+from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST, TOKENIZER
 
 
 class VerifyError(RuntimeFailure):
@@ -95,6 +100,51 @@ def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: dict[str, Any]
                 f"{lut['lut-path']}: {path.stat().st_size} bytes, {geo.vocab_size} rows x {lut['size']} x "
                 f"{GENIE_LUT_BYTES[lut['datatype']]} B expected"
             )
+    return problems
+
+
+def config_vs_sources(
+    bundle_dir: Path, dialog: dict[str, Any], compiled: dict[str, Any], checkpoint_dir: Path
+) -> list[str]:
+    """Where genie_config.json's fields that no graph shape decides disagree with what decides them,
+    one line naming each field: ctx-bins (the binaries compile built, in its order), context bos-token,
+    eos-token and pad-token and the sampler (the checkpoint, as the bundle stage derives them; the
+    sampler also within what Genie accepts), tokenizer.path (the bundle's tokenizer.json), every
+    lut-path (a file of the bundle), then Genie's own validator on the whole config."""
+    from stages.runtimes.genie.bundle import checkpoint_fields, genie_validator_errors
+    from stages.runtimes.genie.rules import sampler_problems
+
+    problems = []
+
+    def expect(what: str, got: Any, want: Any, source: str) -> None:
+        if got != want:
+            problems.append(f"genie_config.json {what} is {got!r}, {source} says {want!r}")
+
+    built = [b["file"] for b in compiled["figures"]["binaries"]]
+    expect(
+        "engine.model.binary.ctx-bins",
+        dialog["engine"]["model"]["binary"]["ctx-bins"],
+        built,
+        "compile (the binaries it built, in its order)",
+    )
+    want = checkpoint_fields(checkpoint_dir)
+    for section, fields in want.items():
+        for key, value in fields.items():
+            got = dialog[section].get(key)
+            if key == "eos-token" and isinstance(got, list):
+                got = sorted(got)
+                value = sorted(value)
+            expect(f"{section}.{key}", got, value, f"the checkpoint {checkpoint_dir.name}")
+    problems += [
+        f"genie_config.json {p}" for p in sampler_problems(dialog["sampler"], dialog["context"]["n-vocab"])
+    ]
+    expect("tokenizer.path", dialog["tokenizer"]["path"], TOKENIZER, "the bundle (its tokenizer file)")
+    for key in GENIE_LUT_SECTION.values():
+        lut = dialog.get(key)
+        if lut is not None and not (bundle_dir / lut["lut-path"]).is_file():
+            problems.append(f"genie_config.json {key}.lut-path {lut['lut-path']!r} is no file of the bundle")
+    if not problems:  # Genie's validator repeats in its own words what the lines above name
+        problems += genie_validator_errors({"dialog": dialog})
     return problems
 
 
@@ -209,13 +259,20 @@ def near_ties(ref: np.ndarray, ours: np.ndarray, limit: int = 8) -> list[dict[st
     return rows
 
 
-def _heldout_sample(cfg: PipelineConfig, tok, bos: int, length: int) -> list[int] | None:
+HELDOUT_OFF = "VERIFY_HELDOUT=off (g4v69 verify --no-heldout)"
+
+
+def heldout_sample(cfg: PipelineConfig, encode, bos: int, length: int) -> list[int]:
+    """`length` tokens of the held-out text (a BOS, then text), or a VerifyError that says what is
+    missing and how to get it or switch the check off."""
     from stages.calibration import CalibrationError, load_texts, token_samples
 
     try:
-        return token_samples(load_texts(cfg, "heldout", None), tok.encode, bos, 1, length)[0]
-    except CalibrationError:
-        return None  # e.g. WikiText-2 without network: the report says the check did not run
+        return token_samples(load_texts(cfg, "heldout", None), encode, bos, 1, length)[0]
+    except CalibrationError as e:
+        raise VerifyError(
+            f"the held-out check cannot run: {e}; or skip it with {HELDOUT_OFF}, which the report records"
+        ) from None
 
 
 def run_verify(
@@ -226,13 +283,18 @@ def run_verify(
     max_new_tokens: int = 32,
     engine: str = "htp",
     thresholds: Thresholds = Thresholds(),
+    heldout_check: bool = True,
 ) -> dict[str, Any]:
     """The whole stage; returns its report. A broken bundle, or one below the thresholds, raises
-    VerifyError."""
-    from stages.chat import ChatTokenizer
+    VerifyError. heldout_check=False (VERIFY_HELDOUT=off) skips the held-out text, and the report
+    says so."""
+    from stages.chat import ChatTokenizer, render_chat
     from stages.checkpoint import Checkpoint, stop_token_ids
     from stages.reference import greedy_tokens, logits_of, transformers_model
+    from stages.runtimes.genie.bundle import GENIE_VALIDATOR
     from stages.runtimes.genie.emulator import GENIE_BEHAVIOURS, EmulatorError, GenieEmulator
+    from stages.runtimes.genie.prompt import query_text
+    from stages.runtimes.genie.rules import sampler_is_greedy
 
     bundle_dir, compiled_dir = output_dir(workdir, "bundle"), output_dir(workdir, "compile")
     quantized_dir, export_dir = output_dir(workdir, "quantize"), output_dir(workdir, "export")
@@ -247,29 +309,44 @@ def run_verify(
     # A failed verify must not leave an earlier run's passing report behind.
     (output_dir(workdir, "verify") / REPORT_NAME).unlink(missing_ok=True)
     problems = check_bundle(bundle_dir, quantized_dir, compiled, geo)
-    if problems:
-        raise VerifyError(f"{bundle_dir} is broken ({len(problems)} problems):\n  " + "\n  ".join(problems))
-
-    # The bundle's own tokenizer and chat template, as on the phone.
-    tok = ChatTokenizer(bundle_dir)
-    prompt_ids = tok.chat_ids(prompt)
-    if prompt_ids != ChatTokenizer(checkpoint_dir).chat_ids(prompt):
-        raise VerifyError(
-            f"{bundle_dir}: its tokenizer or chat template tokenizes the prompt unlike the checkpoint"
-        )
     genie = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-    # The emulator stops on the config's eos list, as Genie does; it must be the checkpoint's.
-    stop_ids = set(stop_token_ids(checkpoint_dir))
-    if set(genie["context"]["eos-token"]) != stop_ids:
+    problems += config_vs_sources(bundle_dir, genie, compiled, checkpoint_dir)
+    if problems:
         raise VerifyError(
-            f"{bundle_dir / GENIE_CONFIG} stops at tokens {genie['context']['eos-token']}, the checkpoint at "
-            f"{sorted(stop_ids)}; run `make bundle` again"
+            f"{bundle_dir} is broken ({len(problems)} problems; run `make bundle` again):\n  "
+            + "\n  ".join(problems)
         )
+    try:
+        emulator = GenieEmulator(bundle_dir, compiled, engine, quantized_dir)
+    except EmulatorError as e:
+        raise VerifyError(f"{bundle_dir}: Genie would not run it correctly: {e}") from None
+    # The prompt as the phone gets it: `make run`'s text from the bundle's chat template, then what
+    # Genie does with it (bos-token, the tokenizer tokenizer.path names); transformers reads the
+    # checkpoint's own template.
+    prompt_ids = emulator.query_ids(query_text(bundle_dir, prompt))
+    want_ids = ChatTokenizer(checkpoint_dir).chat_ids(prompt)
+    if prompt_ids != want_ids:
+        at = next((i for i, (a, b) in enumerate(zip(prompt_ids, want_ids, strict=False)) if a != b), None)
+        at = min(len(prompt_ids), len(want_ids)) if at is None else at
+        if render_chat(bundle_dir, prompt) != render_chat(checkpoint_dir, prompt):
+            cause = "its tokenizer_config.json chat_template renders the prompt unlike the checkpoint's"
+        else:
+            cause = "Genie's query (bos-token, then the text through tokenizer.path) differs from it"
+        raise VerifyError(
+            f"{bundle_dir}: the prompt reaches Genie as {len(prompt_ids)} ids, the checkpoint's chat "
+            f"template gives {len(want_ids)}, first different at position {at}: {cause}"
+        )
+    tok = ChatTokenizer(bundle_dir)
+    # Read before the long runs, so that missing held-out text fails at once.
+    sample = None
+    if heldout_check:
+        sample = heldout_sample(cfg, tok.encode, int(genie["context"]["bos-token"]), HELDOUT_TOKENS)
+    stop_ids = set(stop_token_ids(checkpoint_dir))
     room = genie["context"]["size"] - len(prompt_ids) - (-len(prompt_ids)) % cfg.prefill_ar
     max_new_tokens = max(1, min(max_new_tokens, room))
     try:
-        emulator = GenieEmulator(bundle_dir, compiled, engine, quantized_dir)
-        ours = emulator.generate(prompt_ids, max_new_tokens)
+        # Greedy whatever the config's sampler: the one run that can be compared token by token.
+        ours = emulator.generate(prompt_ids, max_new_tokens, greedy=True)
     except EmulatorError as e:
         raise VerifyError(f"{bundle_dir}: Genie would not run it correctly: {e}") from None
     model = transformers_model(checkpoint_dir)
@@ -286,8 +363,7 @@ def run_verify(
     host = np.concatenate([runner.prefill(prompt_ids)[-1:]] + [runner.step([t]) for t in theirs[:-1]])
     span = float(host.max() - host.min()) or 1.0
     host_agreement = float((emulated.argmax(-1) == host.argmax(-1)).mean()) if len(host) else 1.0
-    heldout: dict[str, Any] = {"ran": False}
-    sample = _heldout_sample(cfg, tok, int(genie["context"]["bos-token"]), HELDOUT_TOKENS)
+    heldout: dict[str, Any] = {"ran": False, "switched_off_by": HELDOUT_OFF}
     if sample is not None:
         head = min(cfg.prefill_ar, len(sample) - 1)
         got = emulator.logits_along(sample[:head], sample[head:-1])
@@ -323,6 +399,7 @@ def run_verify(
             {
                 "bundle": json.loads((bundle_dir / MANIFEST).read_text())["name"],
                 "checks": "manifest hashes, binary graph I/O vs quantized graphs and genie_config.json, "
+                "genie_config.json's other fields vs compile and the checkpoint, libGenie.so's validator, "
                 "the binaries under a Genie emulator vs transformers and the host runner",
                 "engine": {
                     "name": engine,
@@ -331,6 +408,13 @@ def run_verify(
                     else "each ctx-bin's compiler input (quantized graph, boundary Q/DQ folded) on CPU",
                 },
                 "genie_behaviours": GENIE_BEHAVIOURS,
+                "sampler": {
+                    "config": genie["sampler"],
+                    "greedy_in_genie": sampler_is_greedy(genie["sampler"]),
+                    "compared": "greedy (the first largest logit, as Genie with top-k 1): the one "
+                    "choice transformers can be compared with token by token",
+                },
+                "genie_validator": GENIE_VALIDATOR,
                 "thresholds": {
                     "min_matching_prefix": min(thresholds.min_prefix, len(theirs)),
                     "min_top1_agreement_with_transformers": thresholds.top1_with_transformers(cfg),
