@@ -90,16 +90,27 @@ def gptq(
     """Integers for a (in, out) weight under fixed scales. `scale` is (in/b, out): one row of scales
     per block of b input rows (b = in for per-channel). Returns int8 values in [qmin, qmax].
     `factored`: `factor(h)`, where the caller rounds under one Hessian more than once."""
-    rows, cols = w.shape
+    rows = w.shape[0]
     block = rows // scale.shape[0]
     if h.diagonal_only or h.rows == 0:
         scale64 = np.repeat(scale.astype(np.float64), block, axis=0)
         return np.clip(np.rint(w / scale64), qmin, qmax).astype(np.int8)
-    f = factored or factor(h)
+    return _gptq_full(w, factored or factor(h), scale, qmin, qmax)[0]
+
+
+def _gptq_full(
+    w: np.ndarray, f: Factor, scale: np.ndarray, qmin: int, qmax: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ under a full Hessian's factor: the integers, and each column's output error under the
+    dampened Hessian, (w - wq)^T (H + damp I) (w - wq), which GPTQ gets for free as the sum of its
+    scaled row errors squared (Frantar et al.'s loss; no in^2 x out product)."""
+    rows, cols = w.shape
+    block = rows // scale.shape[0]
     W = np.where(f.dead[:, None], np.float32(0), w.astype(np.float32))[f.perm]
     row_scale = np.repeat(scale.astype(np.float32), block, axis=0)[f.perm]
     u = f.u
     q = np.empty((rows, cols), np.int8)
+    loss = np.zeros(cols, np.float64)
     for i1 in range(0, rows, BLOCK_ROWS):
         i2 = min(i1 + BLOCK_ROWS, rows)
         w1 = W[i1:i2].copy()
@@ -113,9 +124,10 @@ def gptq(
             w1[i:] -= np.outer(u1[i, i:], e)
             err[i] = e
         W[i2:] -= u[i1:i2, i2:].T @ err
+        loss += np.square(err, dtype=np.float64).sum(axis=0)
     out = np.empty_like(q)
     out[f.perm] = q
-    return out
+    return out, loss
 
 
 def best_scales(
@@ -126,13 +138,19 @@ def best_scales(
 
     GPTQ moves a row's rounding error along the same column only, so columns are rounded independently
     and the columns' choices combine into one rounding (the result is gptq(w, h, scale) for the
-    returned scale). Ties keep the earlier candidate. One Hessian factor serves every candidate."""
-    f = None if h.diagonal_only or h.rows == 0 else factor(h)
+    returned scale). Ties keep the earlier candidate. One Hessian factor serves every candidate, and
+    a full Hessian's error comes with the rounding (under the dampening GPTQ minimizes); a diagonal
+    one rounds to nearest and weighs each row's error by its diagonal."""
+    full = not (h.diagonal_only or h.rows == 0)
+    f = factor(h) if full else None
     block = w.shape[0] // candidates[0].shape[0]
     best_q = best_scale = best_err = None
     for scale in candidates:
-        q = gptq(w, h, scale, qmin, qmax, f)
-        err = column_errors(w, q * np.repeat(scale, block, axis=0), h)
+        if f is not None:
+            q, err = _gptq_full(w, f, scale, qmin, qmax)
+        else:
+            q = gptq(w, h, scale, qmin, qmax)
+            err = column_errors(w, q * np.repeat(scale, block, axis=0), h)
         if best_err is None:
             best_q, best_scale, best_err = q, scale.copy(), err
             continue
