@@ -40,7 +40,7 @@ COMPILERS = ("local", "aihub")
 PLE_POLICIES = tuple(PLE_POLICY_SCHEMES)
 PLE_LUT_BITS = (8, 16)
 KV_BITS = ("auto", "8", "16")
-WEIGHT_ROUNDINGS = ("gptq", "nearest")
+WEIGHT_ROUNDINGS = ("gptq-search", "gptq", "nearest")
 LM_HEAD_BITS = (8, 4)
 CALIBRATION_DATASETS = ("wikitext-2-raw-v1", "files")
 
@@ -144,7 +144,9 @@ class PipelineConfig:
     weight_rounding: str = field(
         metadata=_meta(
             "quantize",
-            "how 4-bit weights are rounded: gptq (from the calibration activations) or nearest "
+            "how 4-bit weights are rounded: gptq (from the calibration activations), gptq-search "
+            "(gptq, then each weight left at 4 bits per channel rounded again with its scales searched "
+            "under GPTQ's output error; LPBQ weights keep their block-scale search) or nearest "
             "(clipping search alone)",
         )
     )

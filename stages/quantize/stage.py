@@ -115,18 +115,21 @@ def quantize_graphs(
                 # weight rounded once (decode graphs hold the same weights), then the Hessians go.
                 t0 = time.perf_counter()
                 hessians = None
-                if cfg.weight_rounding == "gptq":
+                if cfg.weight_rounding != "nearest":
                     watched = {w for _, src in chain.graphs["prefill"] for w in _4bit_weights(cfg, src)}
                     hessians = collect_hessians(
                         chain, samples[:HESSIAN_SAMPLES], watched, Path(tmp) / "hessians"
                     )
                 rounder = WeightRounder(cfg, hessians)
                 del hessians  # round_all drops them when done
-                rounder.round_all([src for _, src in runner.graphs[role]])
-                share = cfg.decoder_scheme.int8_share
-                if share:
+                graphs = [src for _, src in runner.graphs[role]]
+                rounder.round_all(graphs, Path(tmp) / "hessians-kept" if rounder.searches else None)
+                int8_share = cfg.decoder_scheme.int8_share  # not `share`: the pass's time, used below
+                if int8_share:
                     rounder.measure(chain, sensitivity_samples(samples), Path(tmp) / "sensitivity")
-                    rounder.int8_weights = rounder.choose_int8(share)
+                    rounder.int8_weights = rounder.choose_int8(int8_share)
+                if rounder.searches:
+                    rounder.search_scales(graphs)
                 rounding_s = time.perf_counter() - t0
             if collector is not None:
                 ranges = collector.ranges()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stages.config import ConfigError, load_config
-from stages.gptq import FULL_HESSIAN_MAX_WIDTH, Hessian, gptq, output_error
+from stages.gptq import DAMPENING, FULL_HESSIAN_MAX_WIDTH, Hessian, gptq, output_error
 from stages.precision import INT8_CHANNEL
 from stages.quantize.weights import RoundedWeight, WeightRounder, expected_scheme, int4_channel
 
@@ -134,3 +134,43 @@ def test_the_int8_share_is_priced_and_refused_where_it_means_nothing():
     with pytest.raises(ConfigError, match="lm_head_bits"):
         load_config(overrides={"lm_head_bits": 4, "soc": "SM8350", "precision": "w8a16"})
     assert dataclasses.replace(mixed, int8_percent="auto").mixed_percent == 75
+
+
+def test_the_scale_search_lowers_every_columns_output_error_and_is_one_gptq_rounding():
+    from stages.gptq import column_errors
+
+    w, x, h = _layer(rows=128, cols=32, seed=1)
+    q_plain, s_plain = int4_channel(w, hessian=h)
+    q, scale = int4_channel(w, hessian=h, search=True)
+    again = int4_channel(w.copy(), hessian=h, search=True)
+    assert np.array_equal(q, again[0]) and np.array_equal(scale, again[1])  # deterministic
+    assert q.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == s_plain.shape
+    # The search's measure: the output error under the Hessian GPTQ minimizes (dampened).
+    damped = Hessian(h.matrix + np.float32(DAMPENING * np.mean(h.diag)) * np.eye(128, dtype=np.float32), 1)
+    plain_err, err = column_errors(w, q_plain * s_plain, damped), column_errors(w, q * scale, damped)
+    assert np.all(err <= plain_err * (1 + 1e-5))  # the weight-error ratio is a candidate: no column worse
+    assert err.sum() < 0.9 * plain_err.sum()
+    assert not np.array_equal(scale, s_plain)
+    # GPTQ rounds columns independently: the columns' choices are GPTQ under the chosen scales.
+    assert np.array_equal(q, gptq(w, h, scale[None, :]))
+    # What the search minimizes is the output error on the inputs themselves.
+    assert _relative_output_error(w, q, scale, x) < _relative_output_error(w, q_plain, s_plain, x)
+
+
+def test_hessians_kept_on_disk_stay_shared_and_equal(tmp_path):
+    from stages.quantize.weights import _on_disk
+
+    _, x, h = _layer(rows=16, cols=2)
+    diag = Hessian(np.zeros(16, np.float32))
+    diag.add(x)
+    kept = _on_disk({"q": h, "k": h, "down": diag}, tmp_path)
+    assert kept["q"] is kept["k"] and len(list(tmp_path.iterdir())) == 2
+    assert np.array_equal(kept["q"].matrix, h.matrix) and kept["q"].rows == h.rows
+    assert kept["down"].diagonal_only and np.array_equal(kept["down"].matrix, diag.matrix)
+
+
+def test_weight_rounding_names_the_scale_search_and_the_presets_use_it():
+    assert load_config().weight_rounding == "gptq-search"
+    assert load_config("tiny").weight_rounding == "gptq-search"
+    with pytest.raises(ConfigError, match="weight_rounding.*gptq-search, gptq, nearest"):
+        load_config(overrides={"weight_rounding": "search"})
