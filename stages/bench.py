@@ -203,6 +203,7 @@ def tiny_quality(workdir: Path, schemes=QUALITY_SCHEMES) -> list[dict[str, Any]]
     from stages.download import run_download
     from stages.export import run_export
     from stages.quantize import run_quantize
+    from stages.results import QuantizeResult, require_result
 
     rows = []
     ckpt = workdir / "checkpoints" / "tiny"
@@ -212,9 +213,10 @@ def tiny_quality(workdir: Path, schemes=QUALITY_SCHEMES) -> list[dict[str, Any]]
         for stage in ("export", "quantize"):
             shutil.rmtree(output_dir(workdir, stage), ignore_errors=True)
         run_export(cfg, workdir, ckpt)
-        report = run_quantize(cfg, workdir, ckpt)
-        fig = report["figures"]
-        q = fig["quality"][cfg.ple_policy]
+        run_quantize(cfg, workdir, ckpt)
+        quantized = require_result(workdir, "quantize", QuantizeResult, RuntimeError)
+        fig = quantized.report.figures
+        q = quantized.quality[cfg.ple_policy]
         rows.append(
             {
                 "scheme": label,
@@ -225,7 +227,7 @@ def tiny_quality(workdir: Path, schemes=QUALITY_SCHEMES) -> list[dict[str, Any]]
                 "perplexity_quantized": q["perplexity_quantized"],
                 "tokens": q["tokens"],
                 "int8_share": fig.get("weights", {}).get("int8_share"),
-                "quantize_wall_s": report["wall_s"],
+                "quantize_wall_s": quantized.report.wall_s,
             }
         )
     return rows

@@ -34,6 +34,7 @@ from stages.report import (
     IntegrityError,
     write_json_atomic,
 )
+from stages.results import StageReport
 from stages.runtimes import RuntimeFailure, get_runtime
 
 
@@ -163,12 +164,10 @@ def generate(
     """Run a prompt through the exported graphs on the host (onnxruntime), as the phone would."""
     from stages.chat import ChatError, ChatTokenizer
     from stages.checkpoint import CheckpointError, stop_token_ids
-    from stages.report import read_report
+    from stages.results import ExportResult, require_result
     from stages.runner import HostRunner, RunnerError, Sampling
 
-    export_dir = output_dir(obj.workdir, "export")
-    if read_report(export_dir) is None:
-        raise UserError(f"{export_dir} holds no finished export; run `make export` first")
+    export_dir = require_result(obj.workdir, "export", ExportResult, UserError).folder
     try:
         runner = HostRunner.from_export(export_dir, luts=luts)
         tok = ChatTokenizer(obj.checkpoint_dir())
@@ -224,7 +223,7 @@ def bundle(obj: Context, check_manifest_path: Path | None) -> None:
         report = runtime.package(obj.config, obj.workdir, obj.checkpoint_dir())
     except RuntimeFailure as e:
         raise UserError(str(e)) from None
-    fig = report["figures"]
+    fig = StageReport.from_dict(report).figures
     click.echo(
         f"{obj.workdir / 'genie_bundle'}: {fig['name']}, {fig['files']} files, {fig['bytes'] / 1e6:.1f} MB; "
         f"Genie's validator: {fig['genie_validator']}"
@@ -236,17 +235,14 @@ def _echo_bundle_limits(obj: Context) -> None:
     """Which of the SoC table's memory limits the bundle just built meets (docs/facts.md §2)."""
     from stages.fitting import built_limits, make_plan
     from stages.plan import render_limits
-    from stages.report import read_report
+    from stages.results import CompileResult, ExportResult, require_result
 
     cfg = obj.config
-    compiled = read_report(output_dir(obj.workdir, "compile"))
-    exported = read_report(output_dir(obj.workdir, "export"))
+    compiled = require_result(obj.workdir, "compile", CompileResult, UserError)
+    exported = require_result(obj.workdir, "export", ExportResult, UserError)
     geo = load_geometry(obj.checkpoint_dir() / "config.json")
-    luts = sum(
-        (output_dir(obj.workdir, "export") / lut["path"]).stat().st_size
-        for lut in exported["figures"]["luts"].values()
-    )
-    checks = built_limits(make_plan(geo, cfg), cfg, compiled["figures"]["binaries"], luts)
+    luts = sum((exported.folder / lut["path"]).stat().st_size for lut in exported.luts.values())
+    checks = built_limits(make_plan(geo, cfg), cfg, compiled.binaries, luts)
     click.echo(f"Limits of {cfg.soc} against this bundle:")
     click.echo("\n".join(render_limits(checks)))
 
@@ -310,7 +306,7 @@ def verify(
         )
     except RuntimeFailure as e:
         raise UserError(str(e)) from None
-    fig = report["figures"]
+    fig = StageReport.from_dict(report).figures
     held = fig["heldout"]
     click.echo(f"prompt: {prompt}")
     click.echo(f"bundle (Genie emulator, {engine}): {fig['bundle_text']!r}")

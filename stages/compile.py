@@ -42,7 +42,6 @@ from stages.config import PipelineConfig
 from stages.contract import CACHE_PREFIX
 from stages.encoding import IoTensor, QdqGraph, prepare_io, shared_tensor_mismatches
 from stages.graphs import Binary, binary_layout, qdq_file_name
-from stages.pipeline import output_dir
 from stages.quiet import call_without_native_noise
 from stages.report import (
     REPORT_NAME,
@@ -52,6 +51,7 @@ from stages.report import (
     read_report,
     sha256_file,
 )
+from stages.results import CompileResult, QuantizeResult, StageReport, require_result
 from stages.soc import Soc
 
 QUANTIZED_TYPES = {"uint8", "int8", "uint16", "int16"}
@@ -357,19 +357,15 @@ def check_binary(path: Path, soc: Soc, io_names: list[str]) -> dict[str, Any]:
 
 
 # ---- the stage ----
-def _load_quantized(cfg: PipelineConfig, workdir: Path) -> tuple[Path, dict[str, Any], dict[str, Path]]:
-    q_dir = output_dir(workdir, "quantize")
-    report = read_report(q_dir)
-    if report is None:
-        raise CompileError(
-            f"{q_dir} holds no finished quantize stage (no {REPORT_NAME}); run `make quantize` first"
-        )
-    paths = {g["name"]: q_dir / g["qdq_onnx"] for g in report["figures"]["graphs"]}
+def _load_quantized(cfg: PipelineConfig, workdir: Path) -> tuple[QuantizeResult, dict[str, Path]]:
+    quantized = require_result(workdir, "quantize", QuantizeResult, CompileError)
+    q_dir = quantized.folder
+    paths = {g["name"]: q_dir / g["qdq_onnx"] for g in quantized.graphs}
     wanted = [g for b in binary_layout(cfg) for g in b.graphs]
     missing = [qdq_file_name(g) for g in wanted if g not in paths or not paths[g].is_file()]
     if missing:
         raise CompileError(f"{q_dir} lacks {', '.join(missing)}; run `make quantize` again")
-    return q_dir, report, {g: paths[g] for g in wanted}
+    return quantized, {g: paths[g] for g in wanted}
 
 
 def prepare_graphs(
@@ -397,7 +393,8 @@ def run_compile(
     from tqdm import tqdm
 
     soc = cfg.soc_info
-    q_dir, q_report, sources = _load_quantized(cfg, workdir)
+    quantized, sources = _load_quantized(cfg, workdir)
+    q_dir = quantized.folder
     job = StageJob("compile", cfg, workdir)
     job.check([q_dir])
     layout = binary_layout(cfg)
@@ -466,8 +463,8 @@ def run_compile(
                 "backend": backend,
                 "binaries": figures,
                 "compile_wall_s": round(time.perf_counter() - started, 3),
-                "kv_cache_bits": q_report["figures"]["kv_cache_bits"],
-                "ple_policy": q_report["figures"]["ple_policy"],
+                "kv_cache_bits": quantized.kv_cache_bits,
+                "ple_policy": quantized.ple_policy,
             }
         )
     return read_report(job.out_dir)
@@ -520,12 +517,12 @@ def command(obj: Context, jobs: int | None) -> None:
         report = run_compile(obj.config, obj.workdir, jobs)
     except CompileError as e:
         raise UserError(str(e)) from None
-    fig = report["figures"]
-    total = sum(b["bytes"] for b in fig["binaries"])
+    c = CompileResult(obj.workdir / "compiled", StageReport.from_dict(report))
+    total = sum(b["bytes"] for b in c.binaries)
     # The binaries compile in child processes; the stage's own peak RSS misses theirs.
-    peak = max([report["peak_rss_bytes"]] + [b.get("peak_rss_bytes", 0) for b in fig["binaries"]])
+    peak = max([c.report.peak_rss_bytes] + [b.get("peak_rss_bytes", 0) for b in c.binaries])
     click.echo(
-        f"{obj.workdir / 'compiled'}: {len(fig['binaries'])} binaries for {fig['soc']} ({fig['dsp_arch']}), "
-        f"{total / 1e6:.1f} MB, QAIRT {fig['backend']['qairt_version']} ({fig['backend']['name']}); "
-        f"{report['wall_s']:.1f} s, peak RSS {peak / 2**30:.2f} GiB"
+        f"{c.folder}: {len(c.binaries)} binaries for {c.soc} ({c.dsp_arch}), {total / 1e6:.1f} MB, "
+        f"QAIRT {c.backend['qairt_version']} ({c.backend['name']}); {c.report.wall_s:.1f} s, "
+        f"peak RSS {peak / 2**30:.2f} GiB"
     )

@@ -31,6 +31,7 @@ from stages.config import PipelineConfig
 from stages.contract import ATTENTION_MASK_MIN, GraphSpec, graph_specs
 from stages.geometry import Geometry
 from stages.report import REPORT_NAME, StageJob, read_report
+from stages.results import ExportResult, StageReport
 from stages.runner import LutSpec
 from stages.runtimes import get_runtime
 
@@ -262,8 +263,8 @@ def command(obj: Context) -> None:
         report = run_export(obj.config, obj.workdir, obj.checkpoint_dir())
     except (ExportError, CheckpointError) as e:
         raise UserError(str(e)) from None
-    fig = report["figures"]
+    e = ExportResult(obj.workdir / "exported", StageReport.from_dict(report))
     click.echo(
-        f"{obj.workdir / 'exported'}: {len(fig['graphs'])} graphs over {len(fig['parts'])} parts, "
-        f"{report['wall_s']:.1f} s, peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB"
+        f"{e.folder}: {len(e.graphs)} graphs over {len(e.parts)} parts, {e.report.wall_s:.1f} s, "
+        f"peak RSS {e.report.peak_rss_bytes / 2**30:.2f} GiB"
     )

@@ -11,7 +11,6 @@ Export tests, quantize calibration and verify all use this one runner.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -304,13 +303,15 @@ class HostRunner:
         the same graphs (the quantized ones: `<graph>.qdq.onnx`). The calibration-only twins are left
         out, or with `calibration_twin` are the only graphs, run as the prefill kind."""
         from stages.checkpoint import Checkpoint
+        from stages.results import ExportResult, StageReport
 
-        report = json.loads((export_dir / "report.json").read_text())
-        fig = report["figures"]
-        # The report names the checkpoint relative to the work folder that holds exported/.
-        ckpt = Checkpoint(export_dir.parent / fig["checkpoint_dir"])
+        report = StageReport.read(export_dir)
+        if report is None:
+            raise RunnerError(f"{export_dir} holds no finished export stage; run `make export` first")
+        exported = ExportResult(export_dir, report)
+        ckpt = Checkpoint(exported.checkpoint_dir)
         graphs: dict[str, list[tuple[GraphSpec, Path]]] = {}
-        for g in fig["graphs"]:
+        for g in exported.graphs:
             spec = GraphSpec.from_dict(g["spec"])
             if (spec.role == CALIBRATION_ROLE) != calibration_twin:
                 continue
@@ -321,7 +322,7 @@ class HostRunner:
         for parts in graphs.values():
             parts.sort(key=lambda sp: sp[0].part)
         if luts:
-            specs = {k: LutSpec(**v) for k, v in fig["luts"].items()}
+            specs = {k: LutSpec(**v) for k, v in exported.luts.items()}
             embedder: Embedder = LutEmbedder(ckpt.geometry, export_dir, specs)
         else:
             embedder = CheckpointEmbedder(ckpt)

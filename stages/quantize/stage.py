@@ -16,7 +16,6 @@ from stages.command import Context, UserError
 from stages.config import PipelineConfig
 from stages.gptq import collect_hessians
 from stages.graphs import calibration_kind, copy_graph, qdq_file_name
-from stages.pipeline import output_dir
 from stages.quality import EVAL_SAMPLES, SQNR_TOKENS, compare_chains, output_sqnr, write_quality_html
 from stages.quantize.analysis import (
     QuantizeError,
@@ -42,6 +41,7 @@ from stages.quantize.weights import (
     rewrite_weights,
 )
 from stages.report import REPORT_NAME, StageJob, read_report
+from stages.results import ExportResult, QuantizeResult, StageReport, require_result
 from stages.sensitivity import sensitivity_samples
 
 
@@ -83,7 +83,7 @@ def quantize_graphs(
         if calibration_kind(cfg)
         else None
     )
-    luts = read_report(export_dir)["figures"]["luts"]
+    luts = ExportResult(export_dir, StageReport.read(export_dir)).luts
     result: QuantizedGraphs | None = None
     progress = tqdm(
         total=sum(len(g) for g in runner.graphs.values()), desc=f"quantize ({cfg.ple_policy})", unit="graph"
@@ -271,13 +271,9 @@ def run_quantize(
     from stages.chat import ChatTokenizer
 
     calibration_providers = _providers(provider)
-    export_dir = output_dir(workdir, "export")
-    report = read_report(export_dir)
-    if report is None:
-        raise QuantizeError(
-            f"{export_dir} holds no finished export (no {REPORT_NAME}); run `make export` first"
-        )
-    missing = [g["onnx"] for g in report["figures"]["graphs"] if not (export_dir / g["onnx"]).is_file()]
+    exported = require_result(workdir, "export", ExportResult, QuantizeError)
+    export_dir = exported.folder
+    missing = [g["onnx"] for g in exported.graphs if not (export_dir / g["onnx"]).is_file()]
     if missing:
         raise QuantizeError(
             f"{export_dir} is incomplete: {', '.join(missing)} missing; run `make export` again"
@@ -301,9 +297,9 @@ def run_quantize(
         load_texts(cfg, "heldout", None), tok.encode, bos, EVAL_SAMPLES, min(length, 512)
     )
     decode_steps = min(DECODE_CALIBRATION_STEPS, length // 2)
-    inputs = [export_dir / REPORT_NAME] + [export_dir / g["onnx"] for g in report["figures"]["graphs"]]
+    inputs = [export_dir / REPORT_NAME] + [export_dir / g["onnx"] for g in exported.graphs]
     # QDQ graphs at the weight bits, plus one float graph's calibration copies at a time.
-    graph_bytes = [g["bytes"] for g in report["figures"]["graphs"]]
+    graph_bytes = [g["bytes"] for g in exported.graphs]
     need = sum(graph_bytes) * cfg.precision_info.weight_bits // 32 + 2 * max(graph_bytes)
     with job.output(inputs, need) as run:
 
@@ -371,7 +367,7 @@ def run_quantize(
                 "quality_by_precision": by_precision,
                 "kv_cache_bits": cfg.kv_cache_bits,
                 "ple_policy": cfg.ple_policy,
-                "ple_lut_bits": report["figures"]["luts"].get("per_layer_embedding", {}).get("bits"),
+                "ple_lut_bits": exported.luts.get("per_layer_embedding", {}).get("bits"),
                 "calibration": {
                     "dataset": cfg.calibration_dataset,
                     "files": [str(f) for f in calibration_files or []],
@@ -441,10 +437,11 @@ def command(
         )
     except (QuantizeError, CalibrationError, CheckpointError) as e:
         raise UserError(str(e)) from None
-    q = report["figures"]["quality"][obj.config.ple_policy]
+    r = QuantizeResult(obj.workdir / "quantized", StageReport.from_dict(report))
+    q = r.quality[obj.config.ple_policy]
     click.echo(
-        f"{obj.workdir / 'quantized'}: {len(report['figures']['graphs'])} graphs; held-out top-1 agreement "
+        f"{r.folder}: {len(r.graphs)} graphs; held-out top-1 agreement "
         f"{q['top1_agreement']:.3f}, perplexity {q['perplexity_fp']:.3f} -> {q['perplexity_quantized']:.3f}, "
-        f"KL {q['kl_divergence']:.4f}; {report['wall_s']:.1f} s, "
-        f"peak RSS {report['peak_rss_bytes'] / 2**30:.2f} GiB"
+        f"KL {q['kl_divergence']:.4f}; {r.report.wall_s:.1f} s, "
+        f"peak RSS {r.report.peak_rss_bytes / 2**30:.2f} GiB"
     )

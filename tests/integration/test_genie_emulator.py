@@ -14,6 +14,7 @@ import pytest
 from stages.compile import run_compile
 from stages.config import load_config
 from stages.report import IntegrityError, write_report
+from stages.results import CompileResult, StageReport
 from stages.runtimes.genie.bundle import check_manifest, run_bundle
 from stages.runtimes.genie.emulator import EmulatorError, GenieEmulator
 from stages.runtimes.genie.verify import VerifyError, run_verify
@@ -56,7 +57,7 @@ def test_the_binaries_under_the_emulator_match_transformers(verified):
 def test_cpu_engine_follows_the_same_path(bundled, verified):
     from stages.runtimes.genie.prompt import query_text
 
-    compiled = json.loads((bundled / "compiled" / "report.json").read_text())
+    compiled = CompileResult(bundled / "compiled", StageReport.read(bundled / "compiled"))
     em = GenieEmulator(bundled / "genie_bundle", compiled, "cpu", bundled / "quantized")
     ids = em.query_ids(query_text(bundled / "genie_bundle", PROMPT))
     run = em.generate(
@@ -180,7 +181,7 @@ def test_the_emulator_builds_its_rope_tables_from_the_config(bundled, mutable, v
     _edit_genie_config(
         mutable, lambda g: g["engine"]["model"]["positional-encoding"][0].update({"rope-theta": 10.0})
     )
-    compiled = json.loads((bundled / "compiled" / "report.json").read_text())
+    compiled = CompileResult(bundled / "compiled", StageReport.read(bundled / "compiled"))
     ids = ChatTokenizer(bundled / "genie_bundle").chat_ids(PROMPT)
     path = verified["transformers_tokens"][:-1]
     good = GenieEmulator(bundled / "genie_bundle", compiled, "cpu", bundled / "quantized").logits_along(
@@ -220,7 +221,7 @@ def test_cache_group_mistakes_are_refused(mutable, edit, cause):
 
 def test_the_emulator_alone_refuses_cache_group_mistakes(mutable):
     """Without verify's config checks, the emulator still names kv-dim and prefix mistakes."""
-    compiled = json.loads((mutable / "compiled" / "report.json").read_text())
+    compiled = CompileResult(mutable / "compiled", StageReport.read(mutable / "compiled"))
     for edit, cause in [
         (lambda g: g["engine"]["cache-groups"][0].update({"kv-dim": 16}), "kv-dim 16 in genie_config.json"),
         (
@@ -369,7 +370,7 @@ def test_a_re_signed_config_edit_is_refused_naming_the_field(mutable, edit, caus
 def test_the_emulator_alone_uses_the_fields_as_genie_does(mutable):
     """Without verify's checks against the checkpoint and compile, the emulator still refuses what
     Genie could not run, and prepends the config's bos-token to the query as Genie does."""
-    compiled = json.loads((mutable / "compiled" / "report.json").read_text())
+    compiled = CompileResult(mutable / "compiled", StageReport.read(mutable / "compiled"))
     for edit, cause in [
         (
             lambda g: g["tokenizer"].update({"path": "missing.json"}),
@@ -403,7 +404,7 @@ def test_the_emulator_samples_as_the_config_asks(bundled, verified):
     """Genie's greedy rule (temp <= 0 or top-k == 1) and, otherwise, draws from the config's top-k."""
     from stages.runtimes.genie.prompt import query_text
 
-    compiled = json.loads((bundled / "compiled" / "report.json").read_text())
+    compiled = CompileResult(bundled / "compiled", StageReport.read(bundled / "compiled"))
     em = GenieEmulator(bundled / "genie_bundle", compiled, "cpu", bundled / "quantized")
     ids = em.query_ids(query_text(bundled / "genie_bundle", PROMPT))
     assert em.generate(ids, 8, greedy=True).tokens == verified["bundle_tokens"][:8]

@@ -45,6 +45,7 @@ from stages.report import (
     read_report,
     sha256_file,
 )
+from stages.results import CompileResult, ExportResult, require_result
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.files import GENIE_CONFIG, HTP_EXT_CONFIG, MANIFEST, TOKENIZER, TOKENIZER_CONFIG
 from stages.runtimes.genie.rules import sampler_problems
@@ -64,9 +65,9 @@ class BundleError(RuntimeFailure):
 
 
 # ---- the render context ----
-def _io(compiled: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+def _io(compiled: CompileResult) -> dict[str, dict[str, dict[str, Any]]]:
     """Graph name -> {"inputs": {tensor: encoding}, "outputs": {...}} over every binary."""
-    return {g["name"]: g["io"] for b in compiled["figures"]["binaries"] for g in b["graphs"]}
+    return {g["name"]: g["io"] for b in compiled.binaries for g in b["graphs"]}
 
 
 def _first(io: dict, direction: str, name: str) -> dict[str, Any]:
@@ -123,8 +124,8 @@ def backend_kv_dim(dims: dict[str, int]) -> int:
 def render_context(
     cfg: PipelineConfig,
     checkpoint_dir: Path,
-    export_report: dict[str, Any],
-    compiled: dict[str, Any],
+    exported: ExportResult,
+    compiled: CompileResult,
 ) -> dict[str, Any]:
     """Everything the two templates print, derived; nothing here is a hand-copied number."""
     from stages.checkpoint import Checkpoint
@@ -165,7 +166,7 @@ def render_context(
             {"prefix": prefix, "dim": cos["shape"][-1], "theta": params["rope_theta"], "scaling": scaling}
         )
     luts = {}
-    for key, lut in export_report["figures"]["luts"].items():
+    for key, lut in exported.luts.items():
         luts[GENIE_LUT_SECTION[key]] = {
             "path": Path(lut["path"]).name,
             "size": lut["size"],
@@ -190,14 +191,14 @@ def render_context(
             "kv_dim": backend_kv_dim(dims),
             "extensions": HTP_EXT_CONFIG,
         },
-        "ctx_bins": [b["file"] for b in compiled["figures"]["binaries"]],
+        "ctx_bins": [b["file"] for b in compiled.binaries],
         "ropes": ropes,
         "cache_groups": groups,
         "luts": luts,
         "soc": {"soc_model": soc.soc_model, "dsp_arch": soc.dsp_arch},
         "perf_profile": "burst",
         "rpc_control_latency": 100,
-        "weight_sharing": any(b["weight_shared"] for b in compiled["figures"]["binaries"]),
+        "weight_sharing": any(b["weight_shared"] for b in compiled.binaries),
     }
 
 
@@ -461,22 +462,16 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     from stages.chat import chat_template, join_adjacent_string_literals
 
     compiled_dir, export_dir = output_dir(workdir, "compile"), output_dir(workdir, "export")
-    compiled = read_report(compiled_dir)
-    if compiled is None:
-        raise BundleError(
-            f"{compiled_dir} holds no finished compile (no {REPORT_NAME}); run `make compile` first"
-        )
-    export_report = read_report(export_dir)
-    if export_report is None:
-        raise BundleError(f"{export_dir} holds no finished export; run `make export` first")
-    luts = [export_dir / v["path"] for v in export_report["figures"]["luts"].values()]
+    compiled = require_result(workdir, "compile", CompileResult, BundleError)
+    exported = require_result(workdir, "export", ExportResult, BundleError)
+    luts = [export_dir / v["path"] for v in exported.luts.values()]
     job = StageJob("bundle", cfg, workdir)
     job.check([compiled_dir, export_dir / REPORT_NAME, checkpoint_dir, *luts])
-    context = render_context(cfg, checkpoint_dir, export_report, compiled)
+    context = render_context(cfg, checkpoint_dir, exported, compiled)
     genie = render("genie_config.json.j2", context)
     htp_ext = render("htp_backend_ext_config.json.j2", context)
     # Files the bundle will hold, by name, from where they are now.
-    files: dict[str, Path] = {b["file"]: compiled_dir / b["file"] for b in compiled["figures"]["binaries"]}
+    files: dict[str, Path] = {b["file"]: compiled_dir / b["file"] for b in compiled.binaries}
     for lut in context["luts"].values():
         files[lut["path"]] = export_dir / lut["source"]
     files[TOKENIZER] = checkpoint_dir / TOKENIZER
@@ -526,7 +521,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
             "soc": cfg.soc,
             "soc_model": cfg.soc_info.soc_model,
             "dsp_arch": cfg.soc_info.dsp_arch,
-            "qairt_version": compiled["figures"]["backend"]["qairt_version"],
+            "qairt_version": compiled.backend["qairt_version"],
             "genie_config": GENIE_CONFIG,
             "htp_backend_ext_config": HTP_EXT_CONFIG,
             "binaries": context["ctx_bins"],
@@ -536,7 +531,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
                 "files": [f for f in download.get("outputs", []) if f["path"] != REPORT_NAME],
             },
             "config": cfg.to_dict(),
-            "compiler": compiled["figures"]["backend"]["name"],
+            "compiler": compiled.backend["name"],
             "tool_versions": {
                 stage: (read_report(d) or {}).get("tool_versions", {})
                 for stage, d in (

@@ -84,6 +84,7 @@ from stages.contract import GENIE_LUT_SECTION, INPUTS_EMBEDS, LOGITS, LUT_INPUTS
 from stages.encoding import Encoding, feed, feed_mode
 from stages.geometry import FULL
 from stages.quiet import native_stdout_without
+from stages.results import CompileResult
 from stages.runtimes.genie.rules import (
     SAMPLER_DEFAULTS,
     sampler_is_greedy,
@@ -199,13 +200,13 @@ class Graph:
         return self.inputs[mask].shape[-2] if mask in self.inputs else -1
 
 
-def read_graphs(bundle_dir: Path, compiled_report: dict[str, Any]) -> list[Graph]:
+def read_graphs(bundle_dir: Path, compiled: CompileResult) -> list[Graph]:
     """The ctx-bins' graphs in genie_config.json order, with their tensor tables."""
     from stages.report import sha256_file
     from stages.runtimes.genie.files import GENIE_CONFIG
 
     cfg = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-    records = {b["file"]: b for b in compiled_report["figures"]["binaries"]}
+    records = {b["file"]: b for b in compiled.binaries}
     graphs = []
     files = cfg["engine"]["model"]["binary"]["ctx-bins"]
     twice = sorted({f for f in files if files.count(f) > 1})
@@ -466,7 +467,7 @@ class GenieEmulator:
     def __init__(
         self,
         bundle_dir: Path,
-        compiled_report: dict[str, Any],
+        compiled: CompileResult,
         engine: str = "htp",
         quantized_dir: Path | None = None,
     ):
@@ -476,7 +477,7 @@ class GenieEmulator:
             raise EmulatorError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
         self.bundle_dir = bundle_dir
         self.config = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-        self.graphs = read_graphs(bundle_dir, compiled_report)
+        self.graphs = read_graphs(bundle_dir, compiled)
         ext = json.loads((bundle_dir / self.config["engine"]["backend"]["extensions"]).read_text())
         device = ext["devices"][0]
         if engine == "htp":

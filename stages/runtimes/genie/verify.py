@@ -34,6 +34,7 @@ from stages.contract import (
 from stages.graphs import qdq_file_name
 from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, StageJob, read_report
+from stages.results import CompileResult, read_result
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.bundle import check_manifest, config_vs_graphs
 from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST, TOKENIZER
@@ -57,11 +58,11 @@ def _graph_io(path: Path) -> dict[str, dict[str, list[int]]]:
     }
 
 
-def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: dict[str, Any], geo) -> list[str]:
+def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: CompileResult, geo) -> list[str]:
     """Every way the bundle disagrees with itself, its binaries' graphs or the model (empty: none)."""
     problems = check_manifest(bundle_dir)
     genie = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-    binaries = {b["file"]: b for b in compiled["figures"]["binaries"]}
+    binaries = {b["file"]: b for b in compiled.binaries}
     inputs: dict[str, list[int]] = {}
     outputs: dict[str, list[int]] = {}
     for name in genie["engine"]["model"]["binary"]["ctx-bins"]:
@@ -104,7 +105,7 @@ def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: dict[str, Any]
 
 
 def config_vs_sources(
-    bundle_dir: Path, dialog: dict[str, Any], compiled: dict[str, Any], checkpoint_dir: Path
+    bundle_dir: Path, dialog: dict[str, Any], compiled: CompileResult, checkpoint_dir: Path
 ) -> list[str]:
     """Where genie_config.json's fields that no graph shape decides disagree with what decides them,
     one line naming each field: ctx-bins (the binaries compile built, in its order), context bos-token,
@@ -120,7 +121,7 @@ def config_vs_sources(
         if got != want:
             problems.append(f"genie_config.json {what} is {got!r}, {source} says {want!r}")
 
-    built = [b["file"] for b in compiled["figures"]["binaries"]]
+    built = [b["file"] for b in compiled.binaries]
     expect(
         "engine.model.binary.ctx-bins",
         dialog["engine"]["model"]["binary"]["ctx-bins"],
@@ -298,7 +299,7 @@ def run_verify(
 
     bundle_dir, compiled_dir = output_dir(workdir, "bundle"), output_dir(workdir, "compile")
     quantized_dir, export_dir = output_dir(workdir, "quantize"), output_dir(workdir, "export")
-    compiled = read_report(compiled_dir)
+    compiled = read_result(workdir, "compile", CompileResult)
     if read_report(bundle_dir) is None or compiled is None:
         raise VerifyError(f"{bundle_dir} holds no finished bundle; run `make bundle` first")
     # The compile and export reports are read too (the binaries' records, the graphs and LUTs).

@@ -1,0 +1,136 @@
+"""What a stage hands on, read back typed: every report.json as a `StageReport`, and the figures later
+stages read of export, quantize and compile as `ExportResult`, `QuantizeResult` and `CompileResult`.
+A stage that reads another's output goes through `require_result`, which also says, in one line, which
+stage to run when the output is missing or incomplete.
+
+Stdlib only: push, run and plan read reports in the tools image.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+from stages.pipeline import output_dir
+from stages.report import REPORT_NAME
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """A report.json as stage_output wrote it (report.stage_output)."""
+
+    stage: str
+    options: dict[str, Any] = field(default_factory=dict)
+    inputs: list[dict[str, Any]] = field(default_factory=list)
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    tool_versions: dict[str, str] = field(default_factory=dict)
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    peak_rss_bytes: int = 0
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StageReport:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+    @classmethod
+    def read(cls, folder: Path) -> StageReport | None:
+        """The report of a complete stage output, or None if the folder is absent or incomplete."""
+        path = Path(folder) / REPORT_NAME
+        if not path.is_file():
+            return None
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except (json.JSONDecodeError, TypeError):
+            return None
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """A finished stage's folder and its report; subclasses name the figures later stages read."""
+
+    folder: Path
+    report: StageReport
+
+
+class ExportResult(StageResult):
+    @property
+    def graphs(self) -> list[dict[str, Any]]:
+        """Every exported graph: name, spec, onnx (file name), bytes, export_s."""
+        return self.report.figures["graphs"]
+
+    @property
+    def luts(self) -> dict[str, dict[str, Any]]:
+        """Genie's LUT sections by key: path (under exported/), bits, encoding."""
+        return self.report.figures["luts"]
+
+    @property
+    def parts(self) -> list[dict[str, Any]]:
+        return self.report.figures["parts"]
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """The checkpoint it was exported from (recorded relative to the work folder)."""
+        return self.folder.parent / self.report.figures["checkpoint_dir"]
+
+
+class QuantizeResult(StageResult):
+    @property
+    def graphs(self) -> list[dict[str, Any]]:
+        """Every quantized graph: name, qdq_onnx (file name), quantize_s, its audit."""
+        return self.report.figures["graphs"]
+
+    @property
+    def kv_cache_bits(self) -> int:
+        return self.report.figures["kv_cache_bits"]
+
+    @property
+    def ple_policy(self) -> str:
+        return self.report.figures["ple_policy"]
+
+    @property
+    def quality(self) -> dict[str, dict[str, Any]]:
+        """Held-out quality against the float graphs, by PLE policy."""
+        return self.report.figures["quality"]
+
+
+class CompileResult(StageResult):
+    @property
+    def binaries(self) -> list[dict[str, Any]]:
+        """Every context binary in Genie's ctx-bins order: file, bytes, sha256, weight_shared, graphs
+        (each with its name and I/O encodings), peak_rss_bytes."""
+        return self.report.figures["binaries"]
+
+    @property
+    def backend(self) -> dict[str, Any]:
+        """name (local or aihub) and qairt_version."""
+        return self.report.figures["backend"]
+
+    @property
+    def soc(self) -> str:
+        return self.report.figures["soc"]
+
+    @property
+    def dsp_arch(self) -> str:
+        return self.report.figures["dsp_arch"]
+
+
+R = TypeVar("R", ExportResult, QuantizeResult, CompileResult)
+
+
+def read_result(workdir: Path, stage: str, kind: type[R]) -> R | None:
+    """A finished stage's typed result under workdir, or None."""
+    folder = output_dir(workdir, stage)
+    report = StageReport.read(folder)
+    return None if report is None else kind(folder, report)
+
+
+def require_result(workdir: Path, stage: str, kind: type[R], error: type[Exception]) -> R:
+    """A finished stage's typed result; raise `error` naming the stage to run when there is none."""
+    result = read_result(workdir, stage, kind)
+    if result is None:
+        folder = output_dir(workdir, stage)
+        raise error(f"{folder} holds no finished {stage} stage (no {REPORT_NAME}); run `make {stage}` first")
+    return result
