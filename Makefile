@@ -176,9 +176,9 @@ $(call stage_report,$(1)): $(foreach u,$(call stage_upstream,$(1)),$(call stage_
 	$$($(1)_QUIET)$$(call g4v69,$(call stage_image,$(1))) $(1) $$($(1)_ARGS)
 	$$($(1)_AFTER)
 $(1): $(call stage_report,$(1))
+$(if $(filter yes,$(call stage_field,$(1),6)),$(call stage_stamp,$(1)): ;)
 endef
 $(foreach s,$(STAGES),$(eval $(call stage_rule,$(s))))
-$(sort $(filter-out FORCE,$(foreach s,$(STAGES),$(call stage_stamp,$(s))))): ;
 
 # push/run in the tools image talk to the phone through the host's adb server (`adb start-server` on the
 # host; the container shares the host network) or through USB passed in with
