@@ -439,7 +439,7 @@ def show_config(obj: Context, as_json: bool, get: str | None) -> None:
 @click.pass_obj
 def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Path | None) -> None:
     """Parameters, bytes per part and graph, LUTs, KV cache, device memory against the SoC's limits,
-    a decode roofline, and the layouts (precision x graph kinds) side by side."""
+    the memory and compute rooflines, the layouts side by side and the layout rule."""
     from stages.fitting import LAYOUT_RULE, LayoutRuleError, make_layouts, make_plan, rule_layout
     from stages.plan import render_plan
 
