@@ -19,9 +19,9 @@ from typing import Any
 from stages.config import PipelineConfig
 from stages.pipeline import STAGE_NAMES, output_dir
 from stages.report import proc_field_bytes, read_report
+from stages.soc import GIB
 
 STAGES = ("download", "export", "quantize", "compile")
-GIB = 2**30
 
 
 def _stage_dirs(cfg: PipelineConfig, workdir: Path) -> dict[str, Path]:

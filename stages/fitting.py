@@ -41,9 +41,8 @@ from stages.graphs import (
     past_len,
 )
 from stages.precision import DECODER_ROLE, LM_HEAD_ROLE, NORM_ROLE, PLE_ROLE, WeightScheme, usable_precisions
+from stages.soc import GIB, MIB
 
-GIB = 1 << 30
-MIB = 1 << 20
 # Genie reads LUT sizes as uint32.
 EMBEDDING_LUT_BITS = 16
 # A geometry tensor's kind -> the role whose storage rule it follows (the embedding is the tied lm_head).

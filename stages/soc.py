@@ -44,6 +44,7 @@ class MemoryBandwidth:
 
 
 KIB = 1 << 10
+MIB = 1 << 20
 GIB = 1 << 30
 
 
