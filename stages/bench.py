@@ -1,6 +1,6 @@
 """The scale benchmark's report: what each stage of a finished (or partly finished) run cost.
 
-`make bench` runs download, export, quantize and compile for the bench model (full E2B geometry,
+`make bench` runs every stage from download to verify for the bench model (full E2B geometry,
 random weights) through the ordinary stage targets, so a finished stage is not redone when the
 bench is resumed, then `g4v69 bench-report` reads the stages' own report.json files and writes
 `<output>/<date>-<machine>.json` and a markdown table beside it: wall time, CPU time and peak RSS
@@ -21,7 +21,7 @@ from stages.pipeline import STAGE_NAMES, output_dir
 from stages.report import proc_field_bytes, read_report
 from stages.soc import GIB
 
-STAGES = ("download", "export", "quantize", "compile")
+STAGES = ("download", "export", "quantize", "compile", "bundle", "verify")
 
 
 def _stage_dirs(cfg: PipelineConfig, workdir: Path) -> dict[str, Path]:
@@ -76,6 +76,23 @@ def collect(cfg: PipelineConfig, workdir: Path, plan: dict[str, Any] | None = No
                 compile_peak_rss_bytes=b.get("peak_rss_bytes"),
                 binary_bytes=b["bytes"] if len(b["graphs"]) == 1 else None,
             )
+    verify = read_report(output_dir(workdir, "verify"))
+    verified = None
+    if verify is not None:
+        fig = verify["figures"]
+        replayed = fig.get("htp_replay") or {}
+        verified = {
+            "engine": fig["engine"]["name"],
+            "calls": fig.get("emulator_calls"),
+            "htp_replay_calls": [
+                {k: c[k] for k in ("replay", "ar", "n_process", "n_past", "seconds")}
+                | {"worst_sqnr_db": c["worst"]["sqnr_db"]}
+                for c in replayed.get("calls", [])
+            ],
+            "htp_replay_skipped_for_time": replayed.get("skipped_for_time", []),
+            "htp_replay_s": replayed.get("seconds"),
+            "binaries_executed_on_htp": len(replayed.get("binaries_executed", [])),
+        }
     done = [s for s in ("export", "quantize", "compile") if stages.get(s)]
     return {
         "date": datetime.date.today().isoformat(),
@@ -85,6 +102,7 @@ def collect(cfg: PipelineConfig, workdir: Path, plan: dict[str, Any] | None = No
         "stages": stages,
         "graphs": graphs,
         "export_quantize_compile_wall_s": sum(stages[s]["wall_s"] for s in done),
+        "verify": verified,
         "max_peak_rss_bytes": max((stages[s]["peak_rss_bytes"] for s in stages if stages[s]), default=0),
         "plan": plan,
     }
@@ -116,6 +134,28 @@ def to_markdown(result: dict[str, Any], command: str) -> str:
         f"Export + quantize + compile: {result['export_quantize_compile_wall_s'] / 60:.1f} min wall; "
         f"largest peak RSS {result['max_peak_rss_bytes'] / GIB:.1f} GiB.",
         "",
+    ]
+    verified = result.get("verify")
+    if verified:
+        calls = verified.get("calls") or {}
+        lines += [
+            f"Verify ({verified['engine']} engine): {calls.get('calls', '?')} graph calls on the "
+            f"{calls.get('engine', '?')} engine ({calls.get('engine_s', 0) / 60:.1f} min), then "
+            f"{len(verified['htp_replay_calls'])} calls replayed through the "
+            f"{verified['binaries_executed_on_htp']} ctx-bins on the HTP emulation "
+            f"({(verified['htp_replay_s'] or 0) / 60:.1f} min; "
+            f"{len(verified['htp_replay_skipped_for_time'])} skipped for time):",
+            "",
+            "| replayed call | AR | tokens | past | HTP emulation | worst output SQNR |",
+            "|---|---|---|---|---|---|",
+        ]
+        for c in verified["htp_replay_calls"]:
+            lines.append(
+                f"| {c['replay']} | {c['ar']} | {c['n_process']} | {c['n_past']} | {c['seconds']:.0f} s | "
+                f"{c['worst_sqnr_db']:.1f} dB |"
+            )
+        lines.append("")
+    lines += [
         "| graph | export | quantize | compile | compile peak RSS | ONNX (float32) | binary |",
         "|---|---|---|---|---|---|---|",
     ]

@@ -257,13 +257,6 @@ def _echo_bundle_limits(obj: Context) -> None:
 )
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1))
 @click.option(
-    "--engine",
-    type=click.Choice(["htp", "cpu"]),
-    default="htp",
-    show_default=True,
-    help="htp: the ctx-bins on the HTP emulation; cpu: their compiler inputs on the CPU EP (faster)",
-)
-@click.option(
     "--min-prefix", type=click.IntRange(0), help="fail below this many greedy tokens equal to transformers"
 )
 @click.option(
@@ -284,7 +277,6 @@ def verify(
     obj: Context,
     prompt: str,
     max_new_tokens: int,
-    engine: str,
     min_prefix: int | None,
     min_top1: float | None,
     heldout: bool,
@@ -299,7 +291,6 @@ def verify(
             obj.checkpoint_dir(),
             prompt,
             max_new_tokens=max_new_tokens,
-            engine=engine,
             min_prefix=min_prefix,
             min_top1=min_top1,
             heldout_check=heldout,
@@ -309,7 +300,7 @@ def verify(
     fig = StageReport.from_dict(report).figures
     held = fig["heldout"]
     click.echo(f"prompt: {prompt}")
-    click.echo(f"bundle (Genie emulator, {engine}): {fig['bundle_text']!r}")
+    click.echo(f"bundle (Genie emulator, {fig['engine']['name']}): {fig['bundle_text']!r}")
     click.echo(f"transformers (float):      {fig['transformers_text']!r}")
     click.echo(
         f"{obj.workdir / 'verify'}: {fig['bundle']} passes its checks; greedy tokens match transformers for "

@@ -43,6 +43,7 @@ KV_BITS = ("auto", "8", "16")
 WEIGHT_ROUNDINGS = ("gptq-search", "gptq", "nearest")
 LM_HEAD_BITS = (8, 4)
 CALIBRATION_DATASETS = ("wikitext-2-raw-v1", "files")
+VERIFY_ENGINES = ("htp", "replay", "cpu")
 
 
 class ConfigError(ValueError):
@@ -159,6 +160,16 @@ class PipelineConfig:
     max_kl_divergence_w8: float = field(metadata=_meta("quantize", "held-out KL ceiling, 8-bit weights"))
     min_top1_agreement_w4: float = field(metadata=_meta("quantize", "held-out top-1 floor, 4-bit weights"))
     max_kl_divergence_w4: float = field(metadata=_meta("quantize", "held-out KL ceiling, 4-bit weights"))
+    # How verify runs the bundle's binaries; the HTP emulation takes about 120-350 s per GB of weights a
+    # call reads (docs/verification.md), so a whole Genie run on it suits small bundles only.
+    verify_engine: str = field(
+        metadata=_meta(
+            "verify",
+            "htp: the whole Genie run on the ctx-bins under the HTP emulation; replay: the run on the CPU "
+            "engine, then a bounded set of its calls replayed through every ctx-bin on the HTP emulation and "
+            "compared output by output; cpu: the CPU engine alone (no binary executed)",
+        )
+    )
     # The layout rule's targets (stages/fitting.py `rule_layout`): `make plan` names the layout that meets
     # them within the phone's memory budget, and says so when the config's layout is another.
     target_phone_ram_gb: int = field(
@@ -392,6 +403,7 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
             f"{cfg.calibration_ar} is out of range; allowed values: 0..{cfg.max_context - 1} (0: no twin)",
         )
     _at_least("num_shards", cfg.num_shards, 1)
+    _one_of("verify_engine", cfg.verify_engine, list(VERIFY_ENGINES))
     _one_of("compiler", cfg.compiler, COMPILERS)
     _one_of("runtime", cfg.runtime, list(RUNTIMES))
     if not _QAIRT_VERSION.match(cfg.qairt_version):

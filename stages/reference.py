@@ -3,27 +3,61 @@ measured against (tests and the verify stage)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+# Up to this many bytes of float32 weights the reference computes in float32 (the tiny model: its
+# figures are exact); above it in bfloat16, the checkpoint's own dtype: E2B's 4.6 B text parameters
+# are 18.5 GB in float32, more than verify's 16 GiB bound, and 9.3 GB in bfloat16.
+FLOAT32_MAX_BYTES = 4 * 2**30
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Build modules with their parameters on the meta device (no memory, no random init) and their
+    buffers as usual (RoPE frequencies are computed in __init__ and never stored in a checkpoint)."""
+    import torch
+
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            kind = type(module._parameters[name])
+            module._parameters[name] = kind(module._parameters[name].to("meta"), requires_grad=False)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
 
 def transformers_model(checkpoint_dir: Path) -> Any:
-    """Gemma4ForCausalLM (eager attention, float32, eval) with the checkpoint's text weights.
+    """Gemma4ForCausalLM (eager attention, eval) with the checkpoint's text weights: float32, or
+    bfloat16 above FLOAT32_MAX_BYTES of float32 weights.
 
-    Built from the text config and loaded tensor by tensor: `from_pretrained` on a multimodal
-    snapshot silently leaves every weight at its random init (docs/facts.md §1). The checkpoint's
-    tensors are taken as transformers' own loader takes them: tensors the model has no place for (the
-    K/V weights some checkpoints keep for KV-shared layers) are dropped; a tensor of the wrong shape,
-    which transformers refuses too, or a missing one is a CheckpointError naming them.
+    Built from the text config with its parameters on the meta device and loaded tensor by tensor
+    (each checkpoint tensor becomes the parameter: one copy of the weights in memory): `from_pretrained`
+    on a multimodal snapshot silently leaves every weight at its random init (docs/facts.md §1). The
+    checkpoint's tensors are taken as transformers' own loader takes them: tensors the model has no
+    place for (the K/V weights some checkpoints keep for KV-shared layers) are dropped; a tensor of the
+    wrong shape, which transformers refuses too, or a missing one is a CheckpointError naming them.
     """
+    import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     from stages.checkpoint import Checkpoint, CheckpointError
 
     ckpt = Checkpoint(checkpoint_dir)
     text = {k: v for k, v in ckpt.geometry.config.items() if k != "model_type"}
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**text, attn_implementation="eager")).eval()
+    with _parameters_on_meta():
+        model = Gemma4ForCausalLM(Gemma4TextConfig(**text, attn_implementation="eager")).eval()
     own = model.state_dict()
+    float32_bytes = 4 * sum(p.numel() for p in model.parameters())
+    dtype = torch.float32 if float32_bytes <= FLOAT32_MAX_BYTES else torch.bfloat16
     state, wrong = {}, []
     for stored in ckpt.files:
         if not stored.startswith(ckpt.prefix):
@@ -37,7 +71,7 @@ def transformers_model(checkpoint_dir: Path) -> Any:
         tensor = ckpt.tensor(name)
         if tuple(tensor.shape) != tuple(own[key].shape):
             wrong.append(f"{stored} {list(tensor.shape)} (model has {list(own[key].shape)})")
-        state[key] = tensor
+        state[key] = tensor.to(dtype)
     missing = sorted(k for k in own if k not in state and k != "lm_head.weight")
     if wrong or missing:
         if wrong:
@@ -50,8 +84,11 @@ def transformers_model(checkpoint_dir: Path) -> Any:
             f"{checkpoint_dir}: transformers' Gemma 4 for config.json cannot load the checkpoint, {what}; "
             "run `make download` again or fix the checkpoint"
         )
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            raise CheckpointError(f"{checkpoint_dir}: transformers' Gemma 4 has no weight for {name}")
     return model
 
 

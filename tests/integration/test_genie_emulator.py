@@ -448,3 +448,52 @@ def test_verify_fails_without_held_out_text_and_can_be_switched_off(mutable, mon
         "ran": False,
         "switched_off_by": "VERIFY_HELDOUT=off (g4v69 verify --no-heldout)",
     }
+
+
+# ---- replay: the binaries on the HTP emulation, fed what the CPU engine was fed ----
+def test_replay_runs_every_binary_and_compares_every_output(bundled):
+    from stages.runtimes.genie.replay import DECODE, FIRST, MIN_SQNR_DB, WRAP
+
+    fig = run_verify(load_config("tiny"), bundled, bundled / "checkpoints" / "tiny", PROMPT, engine="replay")[
+        "figures"
+    ]
+    assert fig["engine"]["name"] == "replay" and fig["matching_prefix_tokens"] >= 31
+    replayed = fig["htp_replay"]
+    compiled = StageReport.read(bundled / "compiled").figures["binaries"]
+    assert sorted(replayed["binaries_executed"]) == sorted(b["file"] for b in compiled)
+    labels = [c["replay"] for c in replayed["calls"]]
+    # Both graph kinds (AR-8 prefill, AR-1 decode), the first sliding-window wrap, two decode steps.
+    assert labels.count(FIRST) == 2 and labels.count(WRAP) == 1 and labels.count(DECODE) == 2
+    assert not replayed["skipped_for_time"]
+    wrap = next(c for c in replayed["calls"] if c["replay"] == WRAP)
+    assert wrap["wraps"] == ["swa_"]
+    for call in replayed["calls"]:
+        assert call["outputs"] >= 10  # every output of every part: logits and the KV entries
+        assert call["worst"]["sqnr_db"] > MIN_SQNR_DB + 5  # measured: 31.7 dB or better
+        assert call["logits_output"]["top1"] == 1.0
+
+
+def test_replay_catches_binaries_that_differ_from_their_compiler_inputs(bundled, mutable):
+    """A compiler input whose MLP weight scales were multiplied by 4 after compiling: the replay names
+    the call and the binary whose output moved."""
+    import onnx
+
+    from stages.runtimes.genie.prompt import query_text
+    from stages.runtimes.genie.replay import ReplayPlan, replay
+
+    for path in (mutable / "quantized").glob("*part1_of_2.qdq.onnx"):
+        model = onnx.load(str(path))
+        for init in model.graph.initializer:
+            if init.name == "layers.0.mlp.down_proj.weight_scale":
+                values = onnx.numpy_helper.to_array(init) * 4
+                init.CopyFrom(onnx.numpy_helper.from_array(values, init.name))
+        path.unlink()
+        onnx.save(model, str(path))
+    compiled = CompileResult(bundled / "compiled", StageReport.read(bundled / "compiled"))
+    em = GenieEmulator(bundled / "genie_bundle", compiled, "cpu", mutable / "quantized")
+    em.record = ReplayPlan()
+    em.generate(em.query_ids(query_text(bundled / "genie_bundle", PROMPT)), 4, greedy=True)
+    result = replay(bundled / "genie_bundle", em, em.recorded, budget_s=600)
+    assert result.problems
+    assert any("part1_of_2.bin output" in p and "dB from its compiler input's" in p for p in result.problems)
+    assert not any("part2_of_2" in p for p in result.problems)  # each part is fed the CPU engine's inputs

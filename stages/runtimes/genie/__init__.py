@@ -50,9 +50,8 @@ class GenieRuntime:
     def check(
         self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path, prompt: str, **options: Any
     ) -> dict[str, Any]:
-        """options: max_new_tokens, engine ("htp": the binaries on QNN's HTP emulation; "cpu": their
-        compiler inputs), min_prefix and min_top1 (None: verify.Thresholds' defaults), heldout_check
-        (False: VERIFY_HELDOUT=off)."""
+        """options: max_new_tokens, engine (None: the config's verify_engine), min_prefix and min_top1
+        (None: verify.Thresholds' defaults), heldout_check (False: VERIFY_HELDOUT=off)."""
         from stages.chat import ChatError
         from stages.checkpoint import CheckpointError
         from stages.runner import RunnerError

@@ -74,6 +74,7 @@ import re
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -319,6 +320,10 @@ class HtpEngine:
         names = list(graph.outputs)
         return dict(zip(names, self._session(graph).run(names, feeds), strict=True))
 
+    def close(self) -> None:
+        """Drop the sessions (and the graphs they hold); the next run loads them again."""
+        self._sessions.clear()
+
 
 class CpuEngine:
     """Each binary's compiler input (quantized graph, boundary Q/DQ folded) on the CPU EP."""
@@ -350,6 +355,10 @@ class CpuEngine:
     def run(self, graph: Graph, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         names = list(graph.outputs)
         return dict(zip(names, self._session(graph).run(names, feeds), strict=True))
+
+    def close(self) -> None:
+        """Drop the sessions (and the graphs they hold); the next run loads them again."""
+        self._sessions.clear()
 
 
 def pick_ar(ars: list[int], n_inputs: int) -> int:
@@ -451,11 +460,20 @@ class CacheGroup:
 
 # ---- the emulator ----
 @dataclass
+class RecordedCall:
+    """One graph call as the engine ran it: its step, then every split's feeds and outputs (raw
+    quantized tensors, copied: the emulator reuses its buffers), for a replay on another engine."""
+
+    step: dict[str, Any]
+    runs: list[tuple[Graph, dict[str, np.ndarray], dict[str, np.ndarray]]]
+
+
+@dataclass
 class Emulation:
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)  # dequantized rows the tokens were picked from
-    steps: list[dict[str, int]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     stopped_by: str = "max_new_tokens"
@@ -478,12 +496,8 @@ class GenieEmulator:
         self.bundle_dir = bundle_dir
         self.config = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
         self.graphs = read_graphs(bundle_dir, compiled)
-        ext = json.loads((bundle_dir / self.config["engine"]["backend"]["extensions"]).read_text())
-        device = ext["devices"][0]
         if engine == "htp":
-            self.engine: HtpEngine | CpuEngine = HtpEngine(
-                bundle_dir, int(device["soc_model"]), int(str(device["dsp_arch"]).lstrip("v"))
-            )
+            self.engine: HtpEngine | CpuEngine = HtpEngine(bundle_dir, *self.htp_device())
         else:
             if quantized_dir is None:
                 raise EmulatorError("the cpu engine needs the work folder's quantized/ graphs")
@@ -502,9 +516,22 @@ class GenieEmulator:
         self.context = int(self.config["context"]["size"])
         self.eos = [int(t) for t in np.atleast_1d(self.config["context"]["eos-token"])]
         self.buffers: dict[str, np.ndarray] = {}
+        # A predicate over a step (its index in the run, ar, n_process, n_past, and `wraps`: the
+        # sliding-window groups that evict in it); the calls it accepts are kept in `recorded`.
+        self.record: Callable[[dict[str, Any]], bool] | None = None
+        self.recorded: list[RecordedCall] = []
+        # Over the emulator's life (every run): graph calls made and seconds spent in the engine.
+        self.calls_run = 0
+        self.engine_s = 0.0
         self.reset()
 
     # -- set-up: what Genie derives from the config and the binaries --
+    def htp_device(self) -> tuple[int, int]:
+        """soc_model and htp_arch from htp_backend_ext_config.json, as the HTP backend reads them."""
+        ext = json.loads((self.bundle_dir / self.config["engine"]["backend"]["extensions"]).read_text())
+        device = ext["devices"][0]
+        return int(device["soc_model"]), int(str(device["dsp_arch"]).lstrip("v"))
+
     def _variants(self) -> dict[int, list[Graph]]:
         """Splits per AR, ordered as Genie orders them: by QNN graph name."""
         by_ar: dict[int, list[Graph]] = {}
@@ -670,7 +697,7 @@ class GenieEmulator:
         seed = int(s.get("seed", -1))
         self._draw = Sampling(s["temp"], s["top-k"], s["top-p"], seed if seed >= 0 else None).picker()
         self.n_past = 0
-        self.steps: list[dict[str, int]] = []
+        self.steps: list[dict[str, Any]] = []
         for group in self.groups:
             group.clear()
         self.buffers = {n: t.cleared() for g in self.graphs for n, t in {**g.inputs, **g.outputs}.items()}
@@ -752,27 +779,48 @@ class GenieEmulator:
             for name, buf in group.buffers.items():
                 budget = group.budget(splits)
                 self.buffers[name] = (buf[:, :budget] if "_key_" in name else buf[:budget])[None, None]
+        step = {
+            "index": len(self.steps),
+            "ar": ar,
+            "n_process": n,
+            "n_past": self.n_past,
+            "wraps": [
+                g.prefix for g in self.groups if g.window is not None and g.n_valid + n > g.budget(splits)
+            ],
+        }
+        keep = self.record is not None and self.record(step)
+        runs = []
         outputs: dict[str, np.ndarray] = {}
         for g in splits:
             feeds = {name: self.buffers[name].reshape(t.shape) for name, t in g.inputs.items()}
+            t0 = time.perf_counter()
             result = self.engine.run(g, feeds)
+            self.engine_s += time.perf_counter() - t0
+            if keep:
+                runs.append(
+                    (g, {k: v.copy() for k, v in feeds.items()}, {k: v.copy() for k, v in result.items()})
+                )
             self.buffers.update(result)
             outputs.update(result)
+        if keep:
+            self.recorded.append(RecordedCall(step, runs))
         positions = self.n_past + np.arange(n)
         for group in self.groups:
             kv = {k: v[0, 0] for k, v in outputs.items() if k.startswith(group.prefix) and k.endswith("_out")}
             group.accept(kv, n, group.budget(splits), positions)
         self.n_past += n
-        self.steps.append({"ar": ar, "n_process": n})
+        self.calls_run += 1
+        self.steps.append({"ar": ar, "n_process": n, "wraps": step["wraps"]})
         return outputs[LOGITS][0, :n]
+
+    def prefill_rows(self, ids: list[int]) -> np.ndarray:
+        """The prompt in Genie's chunks; returns the raw logits of every prompt token."""
+        ar = self.pick_ar(len(ids))
+        return np.concatenate([self.call(ids[i : i + ar]) for i in range(0, len(ids), ar)])
 
     def prefill(self, ids: list[int]) -> np.ndarray:
         """The prompt in Genie's chunks; returns the raw logits of the last prompt token."""
-        ar = self.pick_ar(len(ids))
-        last = None
-        for i in range(0, len(ids), ar):
-            last = self.call(ids[i : i + ar])
-        return last[-1]
+        return self.prefill_rows(ids)[-1]
 
     @property
     def logits_encoding(self) -> Encoding:
@@ -805,8 +853,9 @@ class GenieEmulator:
         return run
 
     def logits_along(self, prompt_ids: list[int], path: list[int]) -> np.ndarray:
-        """Dequantized logits after the prompt and after each token of `path` (teacher forcing)."""
+        """Dequantized logits after the prompt and after each token of `path` (teacher forcing), as
+        Genie computes them for a prompt that holds the path: in prefill chunks, AR times fewer calls
+        than one decode step a token (generate runs the decode steps)."""
         self.reset()
-        rows = [self.prefill(list(prompt_ids))]
-        rows += [self.call([t])[-1] for t in path]
-        return self.logits_encoding.dequantize(np.stack(rows))
+        rows = self.prefill_rows(list(prompt_ids) + list(path))[len(prompt_ids) - 1 :]
+        return self.logits_encoding.dequantize(rows)

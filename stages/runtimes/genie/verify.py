@@ -19,7 +19,9 @@ thresholds (Thresholds; a correct bundle clears them with margin) verify fails a
 
 from __future__ import annotations
 
+import gc
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ from stages.results import CompileResult, read_result
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.bundle import check_manifest, config_vs_graphs
 from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST, TOKENIZER
+from stages.runtimes.genie.replay import WRAP
 
 
 class VerifyError(RuntimeFailure):
@@ -276,27 +279,52 @@ def heldout_sample(cfg: PipelineConfig, encode, bos: int, length: int) -> list[i
         ) from None
 
 
+ENGINE_WHAT = {
+    "htp": "the bundle's ctx-bins on onnxruntime-qnn's HTP emulation",
+    "cpu": "each ctx-bin's compiler input (quantized graph, boundary Q/DQ folded) on CPU; no binary executed",
+    "replay": "each ctx-bin's compiler input on CPU, then chosen calls replayed through the ctx-bins on the "
+    "HTP emulation with the same inputs (htp_replay)",
+}
+
+
+def wrap_run(emulator, prompt_ids: list[int]) -> None:
+    """Where the prompt run never filled a sliding window, a run that does: the prompt's ids repeated
+    one token past the largest window's slots, in prefill chunks, so that the window-wrap call (the
+    oldest slots overwritten, the mask gathered around them) is among the recorded calls."""
+    windows = [g.max_slots for g in emulator.groups if g.window is not None]
+    if not windows or any(c.step.get("replay") == WRAP for c in emulator.recorded):
+        return
+    length = max(windows) + 1
+    if length > emulator.context:
+        return
+    emulator.reset()
+    emulator.prefill_rows((list(prompt_ids) * (length // max(len(prompt_ids), 1) + 1))[:length])
+
+
 def run_verify(
     cfg: PipelineConfig,
     workdir: Path,
     checkpoint_dir: Path,
     prompt: str,
     max_new_tokens: int = 32,
-    engine: str = "htp",
+    engine: str | None = None,
     thresholds: Thresholds = Thresholds(),
     heldout_check: bool = True,
 ) -> dict[str, Any]:
     """The whole stage; returns its report. A broken bundle, or one below the thresholds, raises
-    VerifyError. heldout_check=False (VERIFY_HELDOUT=off) skips the held-out text, and the report
-    says so."""
+    VerifyError. engine: htp, replay or cpu (None: the config's verify_engine). heldout_check=False
+    (VERIFY_HELDOUT=off) skips the held-out text, and the report says so."""
     from stages.chat import ChatTokenizer, render_chat
     from stages.checkpoint import Checkpoint, stop_token_ids
     from stages.reference import greedy_tokens, logits_of, transformers_model
     from stages.runtimes.genie.bundle import GENIE_VALIDATOR
     from stages.runtimes.genie.emulator import GENIE_BEHAVIOURS, EmulatorError, GenieEmulator
     from stages.runtimes.genie.prompt import query_text
+    from stages.runtimes.genie.replay import ReplayPlan, replay, replay_budget_s
     from stages.runtimes.genie.rules import sampler_is_greedy
 
+    started = time.perf_counter()
+    engine = engine or cfg.verify_engine
     bundle_dir, compiled_dir = output_dir(workdir, "bundle"), output_dir(workdir, "compile")
     quantized_dir, export_dir = output_dir(workdir, "quantize"), output_dir(workdir, "export")
     compiled = read_result(workdir, "compile", CompileResult)
@@ -318,7 +346,7 @@ def run_verify(
             + "\n  ".join(problems)
         )
     try:
-        emulator = GenieEmulator(bundle_dir, compiled, engine, quantized_dir)
+        emulator = GenieEmulator(bundle_dir, compiled, "cpu" if engine == "replay" else engine, quantized_dir)
     except EmulatorError as e:
         raise VerifyError(f"{bundle_dir}: Genie would not run it correctly: {e}") from None
     # The prompt as the phone gets it: `make run`'s text from the bundle's chat template, then what
@@ -347,34 +375,57 @@ def run_verify(
     max_new_tokens = max(1, min(max_new_tokens, room))
     try:
         # Greedy whatever the config's sampler: the one run that can be compared token by token.
+        emulator.record = ReplayPlan() if engine == "replay" else None
         ours = emulator.generate(prompt_ids, max_new_tokens, greedy=True)
+        if emulator.record is not None:
+            wrap_run(emulator, prompt_ids)
+            emulator.record = None
     except EmulatorError as e:
         raise VerifyError(f"{bundle_dir}: Genie would not run it correctly: {e}") from None
+    # One big thing in memory at a time: the CPU engine's graphs, then the float model, then the
+    # graphs again (E2B: several GB each).
+    emulator.engine.close()
     model = transformers_model(checkpoint_dir)
     theirs = greedy_tokens(model, prompt_ids, max_new_tokens, stop_ids)
+    # Top-1 along transformers' greedy path: every chain reads the same tokens at every position.
+    ref = logits_of(model, prompt_ids + theirs[:-1])[len(prompt_ids) - 1 :]
+    head = min(cfg.prefill_ar, len(sample) - 1) if sample is not None else 0
+    want = logits_of(model, sample[:-1])[head - 1 :] if sample is not None else None
+    del model
+    gc.collect()
     common = next((i for i, (a, b) in enumerate(zip(ours.tokens, theirs, strict=False)) if a != b), None)
     common = min(len(ours.tokens), len(theirs)) if common is None else common
-    # Top-1 along transformers' greedy path: every chain reads the same tokens at every position.
-    path = prompt_ids + theirs[:-1]
-    ref = logits_of(model, path)[len(prompt_ids) - 1 :]
     emulated = emulator.logits_along(prompt_ids, theirs[:-1])
     agreement = float((emulated.argmax(-1) == ref.argmax(-1)).mean()) if len(ref) else 1.0
-    runner = bundle_runner(bundle_dir, export_dir, quantized_dir)
-    runner.reset()
-    host = np.concatenate([runner.prefill(prompt_ids)[-1:]] + [runner.step([t]) for t in theirs[:-1]])
-    span = float(host.max() - host.min()) or 1.0
-    host_agreement = float((emulated.argmax(-1) == host.argmax(-1)).mean()) if len(host) else 1.0
     heldout: dict[str, Any] = {"ran": False, "switched_off_by": HELDOUT_OFF}
     if sample is not None:
-        head = min(cfg.prefill_ar, len(sample) - 1)
         got = emulator.logits_along(sample[:head], sample[head:-1])
-        want = logits_of(model, sample[:-1])[head - 1 :]
         heldout = {
             "ran": True,
             "tokens": len(sample),
             "top1_agreement": round(float((got.argmax(-1) == want.argmax(-1)).mean()), 4),
             "near_ties": near_ties(want, got),
         }
+    emulator.engine.close()
+    runner = bundle_runner(bundle_dir, export_dir, quantized_dir)
+    runner.reset()
+    host = runner.prefill(prompt_ids + theirs[:-1])[len(prompt_ids) - 1 :]
+    del runner
+    gc.collect()
+    span = float(host.max() - host.min()) or 1.0
+    host_agreement = float((emulated.argmax(-1) == host.argmax(-1)).mean()) if len(host) else 1.0
+
+    replayed = None
+    if engine == "replay":
+        replayed = replay(
+            bundle_dir, emulator, emulator.recorded, replay_budget_s(time.perf_counter() - started)
+        )
+        if replayed.problems:
+            raise VerifyError(
+                f"{bundle_dir}: its ctx-bins on the HTP emulation disagree with their compiler inputs "
+                "(the graphs they were compiled from) on the same inputs:\n  "
+                + "\n  ".join(replayed.problems)
+            )
 
     shortfalls = thresholds.shortfalls(
         cfg,
@@ -402,12 +453,14 @@ def run_verify(
                 "checks": "manifest hashes, binary graph I/O vs quantized graphs and genie_config.json, "
                 "genie_config.json's other fields vs compile and the checkpoint, libGenie.so's validator, "
                 "the binaries under a Genie emulator vs transformers and the host runner",
-                "engine": {
-                    "name": engine,
-                    "what": "the bundle's ctx-bins on onnxruntime-qnn's HTP emulation"
-                    if engine == "htp"
-                    else "each ctx-bin's compiler input (quantized graph, boundary Q/DQ folded) on CPU",
+                "engine": {"name": engine, "what": ENGINE_WHAT[engine]},
+                "htp_replay": replayed.figures() if replayed is not None else None,
+                "emulator_calls": {
+                    "engine": emulator.engine.name,
+                    "calls": emulator.calls_run,
+                    "engine_s": round(emulator.engine_s, 1),
                 },
+                "seconds": round(time.perf_counter() - started, 1),
                 "genie_behaviours": GENIE_BEHAVIOURS,
                 "sampler": {
                     "config": genie["sampler"],
