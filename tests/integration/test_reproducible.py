@@ -13,6 +13,8 @@ from stages.compile import run_compile
 from stages.config import load_config
 from stages.quantize import run_quantize
 from stages.report import read_report
+from stages.runtimes.genie.bundle import run_bundle
+from stages.runtimes.genie.verify import run_verify
 from tests.conftest import copy_workdir
 
 pytestmark = pytest.mark.slow
@@ -46,8 +48,20 @@ def test_bench_report_reads_every_stage_and_graph(quantized_tiny, tmp_path):
     work = copy_workdir(quantized_tiny, tmp_path / "w")
     cfg = load_config("tiny")
     run_compile(cfg, work)
+    run_bundle(cfg, work, work / "checkpoints" / "tiny")
+    run_verify(
+        cfg, work, work / "checkpoints" / "tiny", "Return the first element of a list.", engine="replay"
+    )
     result = collect(cfg, work, plan=None)
-    assert all(result["stages"][s] for s in ("download", "export", "quantize", "compile"))
+    assert all(result["stages"][s] for s in ("download", "export", "quantize", "compile", "bundle", "verify"))
+    # verify as a bench stage: its calls per engine, and each call replayed on the binaries.
+    verified = result["verify"]
+    assert verified["engine"] == "replay" and verified["calls"]["engine"] == "cpu"
+    assert verified["calls"]["calls"] > 10 and verified["binaries_executed_on_htp"] == 4
+    assert {c["replay"] for c in verified["htp_replay_calls"]} >= {
+        "first call of its graph kind",
+        "window wrap",
+    }
     assert set(result["graphs"]) == {
         "prefill_ar8_part1_of_2",
         "decode_ar1_part1_of_2",
@@ -70,3 +84,5 @@ def test_bench_report_reads_every_stage_and_graph(quantized_tiny, tmp_path):
     )
     md = to_markdown(result, "make bench")
     assert "| compile |" in md and "| prefill_ar8_part1_of_2 |" in md and "`make bench`" in md
+    assert "| verify |" in md and "replayed through the 4 ctx-bins on the HTP emulation" in md
+    assert "| window wrap | 8 |" in md

@@ -68,6 +68,7 @@ def test_none_overrides_keep_the_preset_value():
         ({"min_top1_agreement_w8": "1.5"}, "min_top1_agreement_w8", "0..1"),
         ({"max_kl_divergence_w4": "0"}, "max_kl_divergence_w4", "> 0"),
         ({"max_kl_divergence_w8": "lots"}, "max_kl_divergence_w8", "a number"),
+        ({"verify_engine": "gpu"}, "verify_engine", "htp, replay, cpu"),
     ],
 )
 def test_invalid_values_name_the_field_and_allowed_values(overrides, field, allowed):
