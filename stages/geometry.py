@@ -387,7 +387,7 @@ def geometry_from_config(config: dict[str, Any]) -> Geometry:
             ts += [
                 Tensor(p + "per_layer_input_gate.weight", (ple_dim, hidden), PLE),
                 Tensor(p + "per_layer_projection.weight", (hidden, ple_dim), PLE),
-                Tensor(p + "post_per_layer_input_norm.weight", (hidden,), PLE),
+                Tensor(p + "post_per_layer_input_norm.weight", (hidden,), NORM),
             ]
         layers.append(Layer(i, kind, hd, width, donors[i], tuple(ts)))
 

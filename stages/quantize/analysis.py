@@ -23,7 +23,13 @@ CACHE_TENSOR = re.compile(rf"^(?:{'|'.join(CACHE_PREFIX.values())})_(key|value)_
 BOUNDARY_TENSOR = re.compile(rf"^(?:{HIDDEN_PREFIX}\d+|{PER_LAYER_EMBEDS})$")
 KVSHARE_TENSOR = re.compile(rf"^{KVSHARE_PREFIX}(key|value)_(\d+)$")
 PLE_START_WEIGHTS = ("per_layer_model_projection.weight", "per_layer_input_gate.weight")
-PLE_END_WEIGHT = "post_per_layer_input_norm.weight"
+# Each layer's PLE path ends at its projection MatMul: the RMSNorm after it reads a quantized input.
+# Kept float (fp16 on the HTP) that norm's output fed a quantized residual Add, and QAIRT's v69
+# graph finalization (optimization mode 3) fails on that fp16 RMSNorm -> Quantize -> Add at AR > 1
+# (QNN_COMMON_ERROR_MEM_ALLOC, "could not create op: q::SlicePad_shape_inplace"; found bisecting the
+# E2B AR-32 part 1 down to one layer: the same layer with the norm quantized compiles). The residual
+# stream stays in uint16 either way.
+PLE_END_WEIGHT = "per_layer_projection.weight"
 PLE_GRAPH_INPUTS = {PER_LAYER_INPUTS, PER_LAYER_EMBEDS}
 # Weights of the PLE paths: the int16 policy gives these 16-bit.
 PLE_WEIGHT_SUFFIXES = (
@@ -31,7 +37,6 @@ PLE_WEIGHT_SUFFIXES = (
     "per_layer_projection_norm.weight",
     "per_layer_input_gate.weight",
     "per_layer_projection.weight",
-    "post_per_layer_input_norm.weight",
 )
 
 
@@ -110,7 +115,7 @@ def analyse(model) -> GraphAnalysis:
             continue
         seen_nodes.add(n.name)
         ple.append(n.name)
-        if (weight_of[n.name] or "").endswith(PLE_END_WEIGHT):
+        if (weight_of[n.name] or "").endswith("." + PLE_END_WEIGHT):
             continue
         for o in n.output:
             todo += consumers.get(o, [])
