@@ -80,6 +80,25 @@ def test_ple_paths_stay_float_and_nothing_else_does(sm8450):
         inside = [t for t in audit_["ple_tensors"] if t["role"] != "boundary"]
         assert inside and all(t["type"] == "float32" for t in inside)
         assert {t["role"] for t in inside} == {"weight", "internal"}
+        # Each layer's PLE path ends at its projection MatMul: the norm after it reads a quantized
+        # input (fp16 there failed QAIRT's v69 finalization at AR-32 on the E2B graphs).
+        assert not any("post_per_layer_input_norm" in t["tensor"] for t in audit_["ple_tensors"])
+
+
+def test_the_norm_after_each_ple_projection_reads_a_quantized_input(sm8450):
+    work, report = sm8450
+    for g in report["figures"]["graphs"]:
+        model = onnx.load(str(work / "quantized" / g["qdq_onnx"]), load_external_data=False)
+        producer = {o: n for n in model.graph.node for o in n.output}
+        norms = [
+            n
+            for n in model.graph.node
+            if n.op_type == "RMSNormalization"
+            and "post_per_layer_input_norm"
+            in (producer[n.input[1]].input[0] if n.input[1] in producer else n.input[1])
+        ]
+        assert norms, g["name"]
+        assert all(producer[n.input[0]].op_type == "DequantizeLinear" for n in norms)
 
 
 def test_the_audit_catches_a_policy_that_was_not_applied(sm8450):
