@@ -195,7 +195,11 @@ def compile_local(
 
     ep = onnxruntime_qnn.get_ep_name()
     if ep not in {d.ep_name for d in ort.get_ep_devices()}:
+        # The EP's logger keeps the severity it is registered under as its floor: verbose, so a failed
+        # compile can be run again with QNN's own log (`_compiler_log_errors`); quiet otherwise.
+        ort.set_default_logger_severity(0)
         ort.register_execution_provider_library(ep, onnxruntime_qnn.get_library_path())
+        ort.set_default_logger_severity(3)
     devices = [d for d in ort.get_ep_devices() if d.ep_name == ep]
     work = Path(out_dir) / f".{binary_file}.work"
     work.mkdir()
@@ -238,6 +242,12 @@ def compile_local(
             if "fallback to CPU EP has been explicitly disabled" in detail:
                 nodes = _nodes_left_on_cpu(path, devices, options, work)
                 detail = f"the HTP cannot take these nodes: {', '.join(nodes[:20]) or '(unknown)'}"
+            elif "QNN_COMMON_ERROR_MEM_ALLOC" in detail:
+                # QNN says MEM_ALLOC also when its graph optimizer cannot build an op it made itself
+                # (docs/facts.md §4); only its verbose log tells which.
+                causes = _compiler_log_errors(path, devices, options, work)
+                if causes:
+                    detail += "; the compiler's log: " + "; ".join(causes)
             estimate = COMPILER_ESTIMATE.search(detail)
             if estimate:  # the compiler's own figure, which it prints only when it refuses
                 detail = (
@@ -274,6 +284,52 @@ def compile_local(
     figures["compile_s"] = round(time.perf_counter() - started, 3)
     figures["peak_rss_bytes"] = process_peak_rss_bytes()
     return figures
+
+
+# The lines of QNN's verbose log that say why a graph failed.
+QNN_LOG_ERROR = re.compile(r"(?:<E>|::ERROR:)\s*(.*)")
+MAX_LOG_CAUSES = 4
+
+
+def _compiler_log_errors(path: str, devices, options: dict[str, str], work: Path) -> list[str]:
+    """Compile again with QNN's verbose log on fd 2 captured to a file; its first distinct errors."""
+    import onnxruntime as ort
+
+    log = work / "diagnose.log"
+    so = ort.SessionOptions()
+    so.log_severity_level = 0
+    so.add_session_config_entry("ep.context_enable", "1")
+    so.add_session_config_entry("ep.context_file_path", str(work / "diagnose_log_ctx.onnx"))
+    so.add_session_config_entry("ep.context_embed_mode", "0")
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    so.add_provider_for_devices(devices, {**options, "qnn_log_level": "verbose"})
+    saved = os.dup(2)
+    ort.set_default_logger_severity(0)  # QNN logs through onnxruntime's default logger
+    try:
+        with log.open("wb") as f:
+            os.dup2(f.fileno(), 2)
+            try:
+                ort.InferenceSession(path if Path(f"{path}.data").exists() else Path(path).read_bytes(), so)
+            except Exception:  # the failure being diagnosed
+                pass
+    finally:
+        ort.set_default_logger_severity(3)
+        os.dup2(saved, 2)
+        os.close(saved)
+    causes: list[str] = []
+    with log.open(errors="replace") as f:
+        for line in f:
+            m = QNN_LOG_ERROR.search(line)
+            # The per-node echoes of one failure, and an option notice every compile here prints.
+            if not m or "generated: could not create op" in line or "GraphHtpSettings option" in line:
+                continue
+            cause = m.group(1).strip()
+            if cause and cause not in causes:
+                causes.append(cause)
+            if len(causes) == MAX_LOG_CAUSES:
+                break
+    log.unlink()
+    return causes
 
 
 def _nodes_left_on_cpu(path: str, devices, options: dict[str, str], work: Path) -> list[str]:

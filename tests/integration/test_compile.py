@@ -198,6 +198,75 @@ def test_a_node_the_htp_cannot_take_fails_the_compile_by_name(tmp_path):
     assert not (tmp_path / "det.bin").exists()
 
 
+def _ple_norm_into_residual(path, rows: int, hidden: int, norm_input_quantized: bool) -> None:
+    """The end of a Gemma 4 layer's PLE path: a float projection and RMSNorm whose output is quantized
+    into the residual Add (the quantize stage's former float16 PLE policy), or the norm reading a
+    quantized input (its policy now)."""
+    rng = np.random.default_rng(0)
+    s, z = (
+        numpy_helper.from_array(np.array(0.001, np.float32), "s"),
+        numpy_helper.from_array(np.array(32768, np.uint16), "z"),
+    )
+    weights = [
+        numpy_helper.from_array((rng.standard_normal((256, hidden)) * 0.05).astype(np.float32), "W"),
+        numpy_helper.from_array(np.ones(hidden, np.float32), "g"),
+    ]
+    if norm_input_quantized:  # a quantized norm: its input and its weight (as quantize writes them)
+        weights += [
+            numpy_helper.from_array(np.full(hidden, 255, np.uint8), "gq"),
+            numpy_helper.from_array(np.array(1 / 255, np.float32), "gs"),
+            numpy_helper.from_array(np.array(0, np.uint8), "gz"),
+        ]
+        norm_in = [
+            helper.make_node("QuantizeLinear", ["m", "s", "z"], ["mq"]),
+            helper.make_node("DequantizeLinear", ["mq", "s", "z"], ["md"]),
+            helper.make_node("DequantizeLinear", ["gq", "gs", "gz"], ["gd"]),
+            helper.make_node("RMSNormalization", ["md", "gd"], ["n"], axis=-1, epsilon=1e-6),
+        ]
+    else:
+        norm_in = [helper.make_node("RMSNormalization", ["m", "g"], ["n"], axis=-1, epsilon=1e-6)]
+    nodes = [
+        helper.make_node("MatMul", ["p", "W"], ["m"]),
+        *norm_in,
+        helper.make_node("QuantizeLinear", ["n", "s", "z"], ["nq"]),
+        helper.make_node("DequantizeLinear", ["nq", "s", "z"], ["nd"]),
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+        helper.make_node("Add", ["xd", "nd"], ["y"]),
+        helper.make_node("QuantizeLinear", ["y", "s", "z"], ["yq"]),
+        helper.make_node("DequantizeLinear", ["yq", "s", "z"], ["out"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "ple_end",
+        [
+            helper.make_tensor_value_info("p", TensorProto.FLOAT, [1, rows, 256]),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, rows, hidden]),
+        ],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, rows, hidden])],
+        [s, z, *weights],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = 10
+    onnx.save(model, str(path))
+
+
+def test_v69_fails_an_fp16_norm_into_a_quantized_add_at_ar32_and_says_why(tmp_path):
+    """QAIRT 2.51's v69 finalization fails on this pattern at 32 rows x 256 (docs/facts.md §4), which is
+    why quantize quantizes the norm's input; the error carries the compiler's own log, not only QNN's
+    misleading MEM_ALLOC. Should a QAIRT upgrade fix it, this test says the workaround may go."""
+    _ple_norm_into_residual(tmp_path / "bad.onnx", 32, 256, norm_input_quantized=False)
+    with pytest.raises(
+        CompileError, match=r"MEM_ALLOC.*the compiler's log: could not create op: q::SlicePad"
+    ):
+        compile_local(36, 69, "bad.bin", [("bad", str(tmp_path / "bad.onnx"))], str(tmp_path), False)
+    _ple_norm_into_residual(tmp_path / "good.onnx", 32, 256, norm_input_quantized=True)
+    compile_local(36, 69, "good.bin", [("good", str(tmp_path / "good.onnx"))], str(tmp_path), False)
+    assert (tmp_path / "good.bin").exists()
+    _ple_norm_into_residual(tmp_path / "ar1.onnx", 1, 256, norm_input_quantized=False)
+    compile_local(36, 69, "ar1.bin", [("ar1", str(tmp_path / "ar1.onnx"))], str(tmp_path), False)
+
+
 def test_layout_follows_the_soc_table():
     v69 = binary_layout(load_config("tiny"))
     assert [b.graphs for b in v69][:2] == [("prefill_ar8_part1_of_2",), ("decode_ar1_part1_of_2",)]

@@ -98,7 +98,11 @@ def test_the_norm_after_each_ple_projection_reads_a_quantized_input(sm8450):
             in (producer[n.input[1]].input[0] if n.input[1] in producer else n.input[1])
         ]
         assert norms, g["name"]
+        # Input and weight both: the v69 compiler fails a quantized norm with a float weight as well.
         assert all(producer[n.input[0]].op_type == "DequantizeLinear" for n in norms)
+        assert all(
+            n.input[1] in producer and producer[n.input[1]].op_type == "DequantizeLinear" for n in norms
+        )
 
 
 def test_the_audit_catches_a_policy_that_was_not_applied(sm8450):
