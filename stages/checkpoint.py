@@ -124,14 +124,16 @@ class Checkpoint:
             raise CheckpointError(f"{self.dir}: tensor {stored} is missing; the snapshot is incomplete")
         return self.files[stored], stored
 
-    def tensor(self, name: str):
-        """One language-model tensor (name relative to the language model) as float32 torch."""
+    def tensor(self, name: str, dtype: Any = None):
+        """One language-model tensor (name relative to the language model) as torch, float32 unless
+        `dtype` says otherwise (converted from the stored dtype directly: E2B's per-layer table is
+        4.7 GB in bfloat16 and would pass through 9.4 GB of float32 on the way)."""
         import torch
         from safetensors import safe_open
 
         path, stored = self._locate(name)
         with safe_open(path, framework="pt") as st:
-            return st.get_tensor(stored).to(torch.float32)
+            return st.get_tensor(stored).to(dtype or torch.float32)
 
     def rows(self, name: str, start: int, stop: int):
         """Rows start..stop-1 of a 2-D tensor as float32 torch, read without loading the rest."""

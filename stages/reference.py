@@ -68,10 +68,10 @@ def transformers_model(checkpoint_dir: Path) -> Any:
             # transformers' loader drops these too: K/V weights of KV-shared layers silently, anything
             # else with a warning (the download report lists both as ignored).
             continue
-        tensor = ckpt.tensor(name)
+        tensor = ckpt.tensor(name, dtype)
         if tuple(tensor.shape) != tuple(own[key].shape):
             wrong.append(f"{stored} {list(tensor.shape)} (model has {list(own[key].shape)})")
-        state[key] = tensor.to(dtype)
+        state[key] = tensor
     missing = sorted(k for k in own if k not in state and k != "lm_head.weight")
     if wrong or missing:
         if wrong:

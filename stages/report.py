@@ -404,9 +404,11 @@ def stage_output(
     options: dict[str, Any],
     root: Path,
     need_bytes: int = 0,
+    since: tuple[float, float] | None = None,
 ) -> Iterator[StageRun]:
     """Run a stage into a temporary sibling of out_dir; on success write report.json (sealed) and swap
-    it in.
+    it in. Its wall and CPU time count from here, or from `since` (time.time(), time.process_time()
+    when the stage began: a stage that checks before it writes, like verify).
 
     Leftovers of killed runs of this stage are removed first; `need_bytes` (the output's expected
     size) must be free on the disk. On any exception the temporary folder is removed and an
@@ -426,8 +428,7 @@ def stage_output(
     tmp, scratch = partial / out_dir.name, partial / "scratch"
     tmp.mkdir()
     scratch.mkdir()
-    started = time.time()
-    cpu0 = time.process_time()
+    started, cpu0 = since or (time.time(), time.process_time())
     run = StageRun(stage=stage, dir=tmp)
     # Libraries' own temporary files (onnxruntime's quantizer keeps whole model copies there) go to
     # the scratch folder, so that a killed run leaves nothing elsewhere.
@@ -489,13 +490,17 @@ class StageJob:
         check_inputs(self.workdir, paths, self.cfg)
 
     @contextmanager
-    def output(self, inputs: list[Path], need_bytes: int = 0) -> Iterator[StageRun]:
+    def output(
+        self, inputs: list[Path], need_bytes: int = 0, since: tuple[float, float] | None = None
+    ) -> Iterator[StageRun]:
         from stages.config import stage_key, stamp_name
         from stages.pipeline import stage
 
         key = stage_key(self.cfg, self.name)
         out = self.out_dir
-        with stage_output(self.name, out, inputs, key, root=self.workdir, need_bytes=need_bytes) as run:
+        with stage_output(
+            self.name, out, inputs, key, root=self.workdir, need_bytes=need_bytes, since=since
+        ) as run:
             yield run
         if stage(self.name).stamped:
             content = {"stage": self.name, "config": key}
