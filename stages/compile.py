@@ -25,9 +25,12 @@ wrote into it, and the graph's I/O tensor names.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -195,11 +198,7 @@ def compile_local(
 
     ep = onnxruntime_qnn.get_ep_name()
     if ep not in {d.ep_name for d in ort.get_ep_devices()}:
-        # The EP's logger keeps the severity it is registered under as its floor: verbose, so a failed
-        # compile can be run again with QNN's own log (`_compiler_log_errors`); quiet otherwise.
-        ort.set_default_logger_severity(0)
         ort.register_execution_provider_library(ep, onnxruntime_qnn.get_library_path())
-        ort.set_default_logger_severity(3)
     devices = [d for d in ort.get_ep_devices() if d.ep_name == ep]
     work = Path(out_dir) / f".{binary_file}.work"
     work.mkdir()
@@ -245,7 +244,7 @@ def compile_local(
             elif "QNN_COMMON_ERROR_MEM_ALLOC" in detail:
                 # QNN says MEM_ALLOC also when its graph optimizer cannot build an op it made itself
                 # (docs/facts.md §4); only its verbose log tells which.
-                causes = _compiler_log_errors(path, devices, options, work)
+                causes = _compiler_log_errors(path, options, work)
                 if causes:
                     detail += "; the compiler's log: " + "; ".join(causes)
             estimate = COMPILER_ESTIMATE.search(detail)
@@ -291,31 +290,25 @@ QNN_LOG_ERROR = re.compile(r"(?:<E>|::ERROR:)\s*(.*)")
 MAX_LOG_CAUSES = 4
 
 
-def _compiler_log_errors(path: str, devices, options: dict[str, str], work: Path) -> list[str]:
-    """Compile again with QNN's verbose log on fd 2 captured to a file; its first distinct errors."""
-    import onnxruntime as ort
-
+def _compiler_log_errors(path: str, options: dict[str, str], work: Path) -> list[str]:
+    """Compile again in a fresh interpreter with QNN's verbose log on its stderr (the EP's logger keeps
+    the severity it was registered under, and this process may have registered it quietly); the
+    first distinct errors of that log."""
     log = work / "diagnose.log"
-    so = ort.SessionOptions()
-    so.log_severity_level = 0
-    so.add_session_config_entry("ep.context_enable", "1")
-    so.add_session_config_entry("ep.context_file_path", str(work / "diagnose_log_ctx.onnx"))
-    so.add_session_config_entry("ep.context_embed_mode", "0")
-    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    so.add_provider_for_devices(devices, {**options, "qnn_log_level": "verbose"})
-    saved = os.dup(2)
-    ort.set_default_logger_severity(0)  # QNN logs through onnxruntime's default logger
-    try:
-        with log.open("wb") as f:
-            os.dup2(f.fileno(), 2)
-            try:
-                ort.InferenceSession(path if Path(f"{path}.data").exists() else Path(path).read_bytes(), so)
-            except Exception:  # the failure being diagnosed
-                pass
-    finally:
-        ort.set_default_logger_severity(3)
-        os.dup2(saved, 2)
-        os.close(saved)
+    with log.open("wb") as f:
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from stages.compile import compile_verbose; compile_verbose(*sys.argv[1:])",
+                path,
+                json.dumps(options),
+                str(work / "diagnose_log_ctx.onnx"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=f,
+            check=False,
+        )
     causes: list[str] = []
     with log.open(errors="replace") as f:
         for line in f:
@@ -330,6 +323,31 @@ def _compiler_log_errors(path: str, devices, options: dict[str, str], work: Path
                 break
     log.unlink()
     return causes
+
+
+def compile_verbose(path: str, options_json: str, ctx: str) -> None:
+    """One compile with onnxruntime's and QNN's logs at their most verbose, on stderr (a diagnosis run)."""
+    import onnxruntime as ort
+    import onnxruntime_qnn
+
+    ort.set_default_logger_severity(0)
+    ep = onnxruntime_qnn.get_ep_name()
+    ort.register_execution_provider_library(ep, onnxruntime_qnn.get_library_path())
+    so = ort.SessionOptions()
+    so.log_severity_level = 0
+    for key, value in {
+        "ep.context_enable": "1",
+        "ep.context_file_path": ctx,
+        "ep.context_embed_mode": "0",
+        "session.disable_cpu_ep_fallback": "1",
+    }.items():
+        so.add_session_config_entry(key, value)
+    options = {**json.loads(options_json), "qnn_log_level": "verbose"}
+    so.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == ep], options)
+    try:
+        ort.InferenceSession(path if Path(f"{path}.data").exists() else Path(path).read_bytes(), so)
+    except Exception:  # the failure being diagnosed; its log is the output
+        pass
 
 
 def _nodes_left_on_cpu(path: str, devices, options: dict[str, str], work: Path) -> list[str]:
