@@ -205,16 +205,8 @@ def compile_local(
     started = time.perf_counter()
     contexts = []
     for k, (name, path) in enumerate(graphs):
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
         ctx = work / f"{name}_ctx.onnx"
-        for key, value in {
-            "ep.context_enable": "1",
-            "ep.context_file_path": str(ctx),
-            "ep.context_embed_mode": "0",
-            "session.disable_cpu_ep_fallback": "1",
-        }.items():
-            so.add_session_config_entry(key, value)
+        so = _context_session_options(ctx, severity=3)
         if weight_sharing:
             so.add_session_config_entry("ep.share_ep_contexts", "1")
             if k == len(graphs) - 1:
@@ -233,9 +225,8 @@ def compile_local(
             options["enable_htp_weight_sharing"] = "1"
         so.add_provider_for_devices(devices, options)
         t0 = time.perf_counter()
-        external = Path(f"{path}.data").exists()
         try:
-            ort.InferenceSession(path if external else Path(path).read_bytes(), so)
+            ort.InferenceSession(_model_source(path), so)
         except Exception as e:  # onnxruntime raises its own Fail/RuntimeException classes
             detail = str(e)
             if "fallback to CPU EP has been explicitly disabled" in detail:
@@ -283,6 +274,26 @@ def compile_local(
     figures["compile_s"] = round(time.perf_counter() - started, 3)
     figures["peak_rss_bytes"] = process_peak_rss_bytes()
     return figures
+
+
+def _context_session_options(ctx: Path | str, severity: int, cpu_fallback: bool = False):
+    """Session options that make onnxruntime-qnn write the graph's context binary beside `ctx`."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = severity
+    so.add_session_config_entry("ep.context_enable", "1")
+    so.add_session_config_entry("ep.context_file_path", str(ctx))
+    so.add_session_config_entry("ep.context_embed_mode", "0")
+    if not cpu_fallback:
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    return so
+
+
+def _model_source(path: str) -> str | bytes:
+    """What onnxruntime loads: the path when the weights are external data, else the model's bytes
+    (a model given by path gets its QNN graph named after a hash of the path: `EXTERNAL_DATA_BYTES`)."""
+    return path if Path(f"{path}.data").exists() else Path(path).read_bytes()
 
 
 # The lines of QNN's verbose log that say why a graph failed.
@@ -333,19 +344,11 @@ def compile_verbose(path: str, options_json: str, ctx: str) -> None:
     ort.set_default_logger_severity(0)
     ep = onnxruntime_qnn.get_ep_name()
     ort.register_execution_provider_library(ep, onnxruntime_qnn.get_library_path())
-    so = ort.SessionOptions()
-    so.log_severity_level = 0
-    for key, value in {
-        "ep.context_enable": "1",
-        "ep.context_file_path": ctx,
-        "ep.context_embed_mode": "0",
-        "session.disable_cpu_ep_fallback": "1",
-    }.items():
-        so.add_session_config_entry(key, value)
+    so = _context_session_options(ctx, severity=0)
     options = {**json.loads(options_json), "qnn_log_level": "verbose"}
     so.add_provider_for_devices([d for d in ort.get_ep_devices() if d.ep_name == ep], options)
     try:
-        ort.InferenceSession(path if Path(f"{path}.data").exists() else Path(path).read_bytes(), so)
+        ort.InferenceSession(_model_source(path), so)
     except Exception:  # the failure being diagnosed; its log is the output
         pass
 
@@ -356,14 +359,10 @@ def _nodes_left_on_cpu(path: str, devices, options: dict[str, str], work: Path) 
     import onnxruntime as ort
 
     ctx = work / "diagnose_ctx.onnx"
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.add_session_config_entry("ep.context_enable", "1")
-    so.add_session_config_entry("ep.context_file_path", str(ctx))
-    so.add_session_config_entry("ep.context_embed_mode", "0")
+    so = _context_session_options(ctx, severity=3, cpu_fallback=True)
     so.add_provider_for_devices(devices, options)
     try:
-        ort.InferenceSession(path if Path(f"{path}.data").exists() else Path(path).read_bytes(), so)
+        ort.InferenceSession(_model_source(path), so)
         return [f"{n.name} ({n.op_type})" for n in onnx.load(str(ctx)).graph.node if n.op_type != "EPContext"]
     except Exception:
         return []

@@ -461,7 +461,6 @@ def run_verify(
                     "calls": emulator.calls_run,
                     "engine_s": round(emulator.engine_s, 1),
                 },
-                "seconds": round(time.perf_counter() - started, 1),
                 "genie_behaviours": GENIE_BEHAVIOURS,
                 "sampler": {
                     "config": genie["sampler"],
