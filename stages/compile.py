@@ -6,7 +6,7 @@ Three steps, whichever backend builds the binaries:
    takes and returns the quantized tensors Genie moves (uint16 activations, uint8 KV on v69) with
    the encodings the quantize stage pinned (both LUT-fed inputs, `inputs_embeds` and
    `per_layer_inputs`, with their LUT's exact encoding, whatever the PLE policy); float I/O (the
-   float16 PLE policy's `per_layer_embeds` between parts) stays float.
+   float16 PLE policy's `xfer_per_layer_embeds` between parts) stays float.
 2. rules check (`check_rules`): what the SoC table says the target cannot do is refused here, with
    the offending nodes listed, before anyone waits on a compiler: activation x activation MatMuls
    with two 16-bit sides without a 16x16 matmul (v69 silently inserts a Convert instead of failing),
@@ -380,15 +380,17 @@ def available_memory_bytes() -> int:
 
 
 def sortable_graph_name(name: str, part: int, num_parts: int) -> str:
-    """`name` with its start replaced by `part001_of_002_`: the same length, sorting in part order.
+    """`name` with its start replaced by `part001_of_002_` and its end by `_1_of_2`: the same length.
 
-    Genie buckets the graphs of one AR and context length into a std::set and runs them in the
-    set's (lexicographic) order (qualla nsp-model.cpp); onnxruntime-qnn names graphs after a hash,
-    so part 2 can sort before part 1."""
-    tag = f"part{part:03d}_of_{num_parts:03d}_"
-    if len(name) <= len(tag):
+    Genie buckets the graphs of one AR and context length and runs them in split order: by the
+    `<prefix>_<split>_of_<total>` ending when every name has one (QAIRT 2.51 warns about, and orders
+    last, a name without it), else in the bucket's lexicographic order (qualla nsp-model.cpp).
+    onnxruntime-qnn names graphs after a hash, so part 2 could sort before part 1: the name carries
+    the part both ways."""
+    tag, tail = f"part{part:03d}_of_{num_parts:03d}_", f"_{part}_of_{num_parts}"
+    if len(name) <= len(tag) + len(tail):
         raise CompileError(f"QNN graph name {name!r} is too short to carry the part order")
-    return tag + name[len(tag) :]
+    return tag + name[len(tag) : len(name) - len(tail)] + tail
 
 
 def rename_graph(path: Path, name: str, part: int, num_parts: int) -> str:

@@ -14,11 +14,11 @@ layouts follow the Genie Gemma 4 contract (qai-hub-models 0.65 templates/gemma4,
   S = C-T for full layers, W for sliding ones (Genie's sliding-window cache group).
 
 Tensors that cross part boundaries are named so that the next part's input has the same name as the
-previous part's output (Genie wires graphs by tensor name), and never start with a cache-group
-prefix (`past_`, `swa_`): `hidden_states_layer{j}` (the residual stream entering layer j),
-`per_layer_embeds` (the combined per-layer embeddings, made in the first part), and
-`kvshare_key_{d}`/`kvshare_value_{d}` (a donor layer's whole attention K/V for the KV-shared layers
-of later parts).
+previous part's output (Genie wires graphs by tensor name), and start with `xfer_` (LINK_PREFIX: never
+a cache-group prefix, and sorting after both): `xfer_hidden_states_layer{j}` (the residual stream
+entering layer j), `xfer_per_layer_embeds` (the combined per-layer embeddings, made in the first
+part), and `xfer_kvshare_key_{d}`/`xfer_kvshare_value_{d}` (a donor layer's whole attention K/V for
+the KV-shared layers of later parts).
 """
 
 from __future__ import annotations
@@ -107,12 +107,20 @@ class GraphSpec:
 
 
 # ---- names ----
+# Tensors that cross part boundaries start with this. Genie (QAIRT 2.51, GraphVariant's type detection)
+# reads a graph's outputs in name order and stops looking for KV$ outputs at the first other tensor:
+# a part whose hand-over outputs sort before `past_*`/`swa_*` is taken for a KV_SHARE_NO_KV_OUTPUT
+# graph, its cache groups get no context size ("Missing context size for key input prefix") and every
+# multi-chunk prompt fails. "xfer_" sorts after both cache prefixes (docs/facts.md §3).
+LINK_PREFIX = "xfer_"
+
+
 def cache_name(layer: int, attention: str, which: str, head: int, direction: str) -> str:
     """`past_key_4_h0_in`: which is key|value, direction in|out."""
     return f"{CACHE_PREFIX[attention]}_{which}_{layer}_h{head}_{direction}"
 
 
-HIDDEN_PREFIX = "hidden_states_layer"
+HIDDEN_PREFIX = f"{LINK_PREFIX}hidden_states_layer"
 
 
 def hidden_name(layer: int) -> str:
@@ -128,7 +136,7 @@ def rope_name(attention: str, which: str) -> str:
     return f"{ROPE_PREFIX[attention]}position_ids_{which}"
 
 
-PER_LAYER_EMBEDS = "per_layer_embeds"
+PER_LAYER_EMBEDS = f"{LINK_PREFIX}per_layer_embeds"
 INPUTS_EMBEDS = "inputs_embeds"
 PER_LAYER_INPUTS = "per_layer_inputs"
 LOGITS = "logits"
@@ -156,7 +164,7 @@ def constructed_input_ranges() -> dict[str, tuple[float, float]]:
     return ranges
 
 
-KVSHARE_PREFIX = "kvshare_"
+KVSHARE_PREFIX = f"{LINK_PREFIX}kvshare_"
 
 
 # ---- shapes ----

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 # Calibration tokens per measurement: one AR-128 call of the calibration twin at E2B (about 4 s of
-# float chain per weight), 16 AR-8 calls on the tiny model.
+# float chain per weight), 32 AR-4 calls on the tiny model.
 SENSITIVITY_TOKENS = 128
 
 

@@ -9,7 +9,7 @@ w4a16-mixed by default) that the target HTP can run, audited, with a quality rep
   the weights whose 4 bits cost the most measured output error at int8 (stages/sensitivity.py).
 - The SoC rule for activation x activation MatMuls (Q.K^T, probs.V): without a 16x16 matmul (v69)
   the second operand, the KV cache, is 8-bit. Each owner layer's K (and V) cache input, its new
-  entries, the concatenation the MatMul reads and the `kvshare_*` tensors that carry it to later parts
+  entries, the concatenation the MatMul reads and the `xfer_kvshare_*` tensors that carry it to later parts
   get one encoding, from one calibrated range, so the runtime copies new entries into the cache
   without requantizing. SoCs with a 16x16 matmul keep KV at `kv_cache_bits`.
 - The PLE policy: the in-graph per-layer-embedding paths stay float (float16 on the HTP; the default),

@@ -85,9 +85,9 @@ def test_bundle_holds_what_genie_needs_and_a_true_manifest(sm8450):
     manifest = json.loads((bundle / "manifest.json").read_text())
     names = {f["path"] for f in manifest["files"]}
     assert names == {
-        "prefill_ar8_part1_of_2.bin",
+        "prefill_ar4_part1_of_2.bin",
         "decode_ar1_part1_of_2.bin",
-        "prefill_ar8_part2_of_2.bin",
+        "prefill_ar4_part2_of_2.bin",
         "decode_ar1_part2_of_2.bin",
         "embedding_ufixed16.bin",
         "per_layer_embedding_ufixed8.bin",
@@ -168,7 +168,7 @@ def test_genie_byte_copies_both_luts_into_inputs_of_their_exact_encoding(sm8450)
     io = _graph_io(work)
     for key, tensor in (("embedding", "inputs_embeds"), ("perlayer-embedding", "per_layer_inputs")):
         qp = genie[key]["quant-param"]
-        for graph in ("prefill_ar8_part1_of_2", "decode_ar1_part1_of_2"):
+        for graph in ("prefill_ar4_part1_of_2", "decode_ar1_part1_of_2"):
             enc = io[graph]["inputs"][tensor]
             # Genie compares the JSON scale with the binary's float32 scale: equal to the bit.
             assert (qp["scale"], qp["offset"]) == (enc["scale"], enc["offset"])
@@ -184,7 +184,7 @@ def test_lut_inputs_genie_cannot_feed_are_refused_and_requantized_ones_allowed(s
     genie = json.loads((bundle / "genie_config.json").read_text())
     files = {p.name: p for p in bundle.iterdir()}
     io = _graph_io(work)
-    graphs = ("prefill_ar8_part1_of_2", "decode_ar1_part1_of_2")
+    graphs = ("prefill_ar4_part1_of_2", "decode_ar1_part1_of_2")
 
     def with_input(tensor: str, **enc) -> dict:
         changed = json.loads(json.dumps(io))
@@ -232,9 +232,9 @@ def test_a_bundle_genie_could_not_load_or_feed_is_refused_whole(sm8450, tmp_path
     for b in compiled["figures"]["binaries"]:
         for g in b["graphs"]:
             if g["name"] == "decode_ar1_part2_of_2":
-                g["io"]["inputs"]["hidden_states_layer4"]["offset"] += 1
+                g["io"]["inputs"]["xfer_hidden_states_layer4"]["offset"] += 1
     rewrite_report(work, report_path.parent, compiled)
-    with pytest.raises(BundleError, match="hidden_states_layer4 has 2 encodings across the graphs"):
+    with pytest.raises(BundleError, match="xfer_hidden_states_layer4 has 2 encodings across the graphs"):
         run_bundle(load_config("tiny"), work, work / "checkpoints" / "tiny")
     assert not (work / "genie_bundle").exists()
 

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from stages.compile import CompileError, check_rules, compile_local, run_compile
 from stages.config import load_config
+from stages.contract import HIDDEN_PREFIX, PER_LAYER_EMBEDS
 from stages.encoding import prepare_io
 from stages.graphs import Binary, binary_layout
 from stages.quantize import run_quantize
@@ -37,9 +38,9 @@ def test_tiny_model_compiles_to_v69_binaries(sm8450):
     assert fig["backend"]["name"] == "local" and fig["backend"]["qairt_version"].startswith("2.51.")
     # v69: no weight sharing, so prefill and decode of each part are separate binaries, part 1 first.
     assert [b["file"] for b in fig["binaries"]] == [
-        "prefill_ar8_part1_of_2.bin",
+        "prefill_ar4_part1_of_2.bin",
         "decode_ar1_part1_of_2.bin",
-        "prefill_ar8_part2_of_2.bin",
+        "prefill_ar4_part2_of_2.bin",
         "decode_ar1_part2_of_2.bin",
     ]
     for b in fig["binaries"]:
@@ -67,28 +68,26 @@ def test_binary_io_is_quantized_with_the_pinned_encodings(sm8450):
             for tensor, enc in io[direction].items():
                 if "_key_" in tensor or "_value_" in tensor or tensor == "per_layer_inputs":
                     assert enc["dtype"] == "uint8", (name, tensor)
-                elif tensor == "per_layer_embeds":
+                elif tensor == PER_LAYER_EMBEDS:
                     assert enc["dtype"] == "float32", (name, tensor)  # the float16 PLE policy
                 else:
                     assert enc["dtype"] == "uint16", (name, tensor)
     # Both LUT-fed inputs read the LUT's bytes as they are (the float16 PLE policy's per-layer input
     # too): the same datatype, offset and scale, to the bit, in prefill and decode.
     for tensor, key in (("inputs_embeds", "embedding"), ("per_layer_inputs", "per_layer_embedding")):
-        for graph in ("prefill_ar8_part1_of_2", "decode_ar1_part1_of_2"):
+        for graph in ("prefill_ar4_part1_of_2", "decode_ar1_part1_of_2"):
             enc = graphs[graph]["inputs"][tensor]
             assert enc["dtype"] == f"uint{luts[key]['bits']}"
             assert (enc["scale"], enc["offset"]) == (luts[key]["scale"], luts[key]["offset"])
             assert np.float32(enc["scale"]) == enc["scale"]  # a float32, as the binary holds it
     # Part 1's hidden-state output is part 2's input, byte for byte, in prefill and decode.
-    (hidden,) = [
-        t for t in graphs["prefill_ar8_part1_of_2"]["outputs"] if t.startswith("hidden_states_layer")
-    ]
+    (hidden,) = [t for t in graphs["prefill_ar4_part1_of_2"]["outputs"] if t.startswith(HIDDEN_PREFIX)]
     encs = [
         {k: v for k, v in graphs[g][d][hidden].items() if k != "shape"}
         for g, d in [
-            ("prefill_ar8_part1_of_2", "outputs"),
+            ("prefill_ar4_part1_of_2", "outputs"),
             ("decode_ar1_part1_of_2", "outputs"),
-            ("prefill_ar8_part2_of_2", "inputs"),
+            ("prefill_ar4_part2_of_2", "inputs"),
             ("decode_ar1_part2_of_2", "inputs"),
         ]
     ]
@@ -104,7 +103,7 @@ def test_v73_soc_gets_one_weight_shared_binary_per_part(quantized_tiny, tmp_path
     for b in fig["binaries"]:
         assert (b["soc_type"], b["arch"], b["weight_shared"]) == ("SM8550", 73, True)
         assert [g["name"] for g in b["graphs"]] == [
-            f"prefill_ar8_part{b['part']}_of_2",
+            f"prefill_ar4_part{b['part']}_of_2",
             f"decode_ar1_part{b['part']}_of_2",
         ]
         kv = [e for g in b["graphs"] for t, e in g["io"]["inputs"].items() if "_key_" in t]
@@ -269,12 +268,12 @@ def test_v69_fails_an_fp16_norm_into_a_quantized_add_at_ar32_and_says_why(tmp_pa
 
 def test_layout_follows_the_soc_table():
     v69 = binary_layout(load_config("tiny"))
-    assert [b.graphs for b in v69][:2] == [("prefill_ar8_part1_of_2",), ("decode_ar1_part1_of_2",)]
+    assert [b.graphs for b in v69][:2] == [("prefill_ar4_part1_of_2",), ("decode_ar1_part1_of_2",)]
     v75 = binary_layout(load_config("tiny", {"soc": "SM8650"}))
     assert [(b.file, b.weight_shared) for b in v75] == [("part1_of_2.bin", True), ("part2_of_2.bin", True)]
     tiny = load_config("tiny")
     one_size = binary_layout(dataclasses.replace(tiny, decode_ar=tiny.prefill_ar))
-    assert [b.file for b in one_size] == ["prefill_ar8_part1_of_2.bin", "prefill_ar8_part2_of_2.bin"]
+    assert [b.file for b in one_size] == ["prefill_ar4_part1_of_2.bin", "prefill_ar4_part2_of_2.bin"]
 
 
 def test_binaries_are_byte_identical_across_work_folders(sm8450, tmp_path):

@@ -27,7 +27,7 @@ from stages.runner import HostRunner
 
 pytestmark = pytest.mark.slow
 
-PROMPT_TOKENS = 41  # longer than the window (8) and than one AR-8 prefill chunk
+PROMPT_TOKENS = 41  # longer than the window (8) and than one AR-4 prefill chunk
 NEW_TOKENS = 64
 
 

@@ -1,7 +1,7 @@
 """The tiny Gemma 4 through download and export, then the FP32 ONNX shard chain, driven by the host
 runner exactly as the phone drives the binaries, against transformers' Gemma4ForCausalLM.
 
-The prompt is longer than one prefill chunk (AR-8) and than the sliding window (8); decoding runs
+The prompt is longer than one prefill chunk (AR-4) and than the sliding window (8); decoding runs
 63 AR-1 steps, past the window many times over, through KV-shared layers whose donors sit in other
 parts when the model is split.
 """
@@ -82,7 +82,7 @@ def export(request, tiny_checkpoint, tmp_path_factory):
 
 
 def test_onnx_chain_logits_match_transformers(export, reference):
-    """Prefill in AR-8 chunks, then 63 AR-1 decode steps fed a random continuation."""
+    """Prefill in AR-4 chunks, then 63 AR-1 decode steps fed a random continuation."""
     export_dir, _ = export
     prompt, continuation, hf_logits, _ = reference
     runner = HostRunner.from_export(export_dir)

@@ -13,6 +13,7 @@ import pytest
 
 from stages.compile import run_compile
 from stages.config import load_config
+from stages.contract import HIDDEN_PREFIX
 from stages.report import IntegrityError, write_report
 from stages.results import CompileResult, StageReport
 from stages.runtimes.genie.bundle import check_manifest, run_bundle
@@ -47,7 +48,7 @@ def test_the_binaries_under_the_emulator_match_transformers(verified):
     # Disagreements on held-out text are near-ties in transformers' own logits.
     assert all(t["transformers_logit_gap"] < 0.5 for t in verified["heldout"]["near_ties"])
     assert verified["bundle_vs_host_runner_logits"]["top1_agreement"] >= 0.95
-    # Prefill in AR-8 chunks (the last one padded), then AR-1 decode steps.
+    # Prefill in AR-4 chunks (the last one padded), then AR-1 decode steps.
     steps = verified["emulator_prefill_steps"]
     assert {s["ar"] for s in steps} == {8} and sum(s["n_process"] for s in steps) == verified["prompt_tokens"]
     behaviours = verified["genie_behaviours"]
@@ -138,12 +139,12 @@ def test_an_embedding_lut_encoding_unlike_the_input_gives_other_tokens(verified,
 def test_a_cross_part_tensor_with_two_encodings_is_refused(mutable):
     def rescale(name, io):
         for t, enc in io["inputs"].items():
-            if t.startswith("hidden_states_layer") and "part2" in name:
+            if t.startswith(HIDDEN_PREFIX) and "part2" in name:
                 enc["scale"] *= 2
 
     _edit_compiled_io(mutable, rescale)
     with pytest.raises(
-        VerifyError, match=r"hidden_states_layer\d+ leaves one split as .* Genie hands over the raw"
+        VerifyError, match=r"xfer_hidden_states_layer\d+ leaves one split as .* Genie hands over the raw"
     ):
         _verify(mutable)
 
@@ -310,7 +311,7 @@ def _edit_chat_template(work: Path) -> None:
             lambda g: g["engine"]["model"]["binary"].update(
                 {"ctx-bins": _swap_first_two(g["engine"]["model"]["binary"]["ctx-bins"])}
             ),
-            r"engine\.model\.binary\.ctx-bins is \['decode_ar1_part1_of_2.bin', 'prefill_ar8_part1_of_2.bin'",
+            r"engine\.model\.binary\.ctx-bins is \['decode_ar1_part1_of_2.bin', 'prefill_ar4_part1_of_2.bin'",
         ),
         (
             lambda g: g["engine"]["backend"]["QnnHtp"].update({"kv-dim": 32}),
@@ -462,7 +463,7 @@ def test_replay_runs_every_binary_and_compares_every_output(bundled):
     compiled = StageReport.read(bundled / "compiled").figures["binaries"]
     assert sorted(replayed["binaries_executed"]) == sorted(b["file"] for b in compiled)
     labels = [c["replay"] for c in replayed["calls"]]
-    # Both graph kinds (AR-8 prefill, AR-1 decode), the first sliding-window wrap, two decode steps.
+    # Both graph kinds (AR-4 prefill, AR-1 decode), the first sliding-window wrap, two decode steps.
     assert labels.count(FIRST) == 2 and labels.count(WRAP) == 1 and labels.count(DECODE) == 2
     assert not replayed["skipped_for_time"]
     wrap = next(c for c in replayed["calls"] if c["replay"] == WRAP)

@@ -63,9 +63,9 @@ def test_bench_report_reads_every_stage_and_graph(quantized_tiny, tmp_path):
         "window wrap",
     }
     assert set(result["graphs"]) == {
-        "prefill_ar8_part1_of_2",
+        "prefill_ar4_part1_of_2",
         "decode_ar1_part1_of_2",
-        "prefill_ar8_part2_of_2",
+        "prefill_ar4_part2_of_2",
         "decode_ar1_part2_of_2",
     }
     assert all(g["compile_s"] is not None and g["binary_bytes"] > 0 for g in result["graphs"].values())
@@ -83,6 +83,6 @@ def test_bench_report_reads_every_stage_and_graph(quantized_tiny, tmp_path):
         != (20, 4096)
     )
     md = to_markdown(result, "make bench")
-    assert "| compile |" in md and "| prefill_ar8_part1_of_2 |" in md and "`make bench`" in md
+    assert "| compile |" in md and "| prefill_ar4_part1_of_2 |" in md and "`make bench`" in md
     assert "| verify |" in md and "replayed through the 4 ctx-bins on the HTP emulation" in md
     assert "| window wrap | 8 |" in md

@@ -93,7 +93,7 @@ def test_a_failed_job_is_shown_and_resubmitted(fake_hub, tmp_path, token, capsys
 
 
 def test_a_job_that_keeps_failing_stops_with_its_message_and_url(fake_hub, tmp_path, token):
-    fake_hub.scenario(devices=fake_hub_devices(), fail={"prefill_ar8_part1_of_2": ["out of memory"] * 9})
+    fake_hub.scenario(devices=fake_hub_devices(), fail={"prefill_ar4_part1_of_2": ["out of memory"] * 9})
     with pytest.raises(
         AihubError,
         match=rf"failed {MAX_ATTEMPTS} times; last message: out of memory; "

@@ -69,11 +69,11 @@ def test_an_upstream_made_for_another_config_is_refused_by_name(tmp_path):
     # A later stage's own fields are not the export's business.
     check_inputs(tmp_path, [out], cfg.with_overrides(calibration_samples=3))
     with pytest.raises(IntegrityError) as e:
-        check_inputs(tmp_path, [out], cfg.with_overrides(prefill_ar=4, calibration_ar=16))
+        check_inputs(tmp_path, [out], cfg.with_overrides(prefill_ar=2, calibration_ar=16))
     line = str(e.value)
     assert (
         "\n" not in line
-        and "prefill_ar=4 (it ran with 8)" in line
+        and "prefill_ar=2 (it ran with 4)" in line
         and "calibration_ar=16 (it ran with 0)" in line
     )
     assert "run `make export` again" in line

@@ -55,10 +55,10 @@ def test_genie_errors_reach_the_user_as_one_line(tmp_path):
     assert r.exit_code != 0 and "Traceback" not in r.output and "make compile" in r.output
 
 
-def test_genie_refuses_a_step_wider_than_the_sliding_window_before_export(tmp_path):
-    """qualla's SlidingWindow::processUpdate pops an empty recency queue when one call overflows the
-    window of an empty cache: refused by `make plan` and at the start of export, with the emulator's
-    own words, instead of by verify after everything was built."""
+def test_genie_refuses_a_step_as_wide_as_the_sliding_window_before_export(tmp_path):
+    """Genie 2.51 never writes a sliding-window cache group when a graph is as wide as its window
+    (measured with the real libGenie.so): refused by `make plan` and at the start of export instead of
+    by verify after everything was built."""
     from click.testing import CliRunner
 
     from stages.cli import main
@@ -66,19 +66,19 @@ def test_genie_refuses_a_step_wider_than_the_sliding_window_before_export(tmp_pa
     from stages.download import run_download
     from stages.export import ExportError, run_export
     from stages.geometry import builtin_geometry
-    from stages.runtimes.genie.rules import window_overflow
+    from stages.runtimes.genie.rules import window_not_written
 
     genie, tiny = get_runtime("genie"), builtin_geometry("tiny")
-    assert genie.layout_problems(load_config("tiny"), tiny) == []  # AR-8 in a window of 8
-    wide = load_config("tiny", {"prefill_ar": 16})
-    reason = window_overflow("swa", 16, 8, 0)
+    assert genie.layout_problems(load_config("tiny"), tiny) == []  # AR-4 in a window of 8
+    wide = load_config("tiny", {"prefill_ar": 8})
+    reason = window_not_written("swa", 8, 8)
     assert genie.layout_problems(wide, tiny) == [reason]
     assert genie.layout_problems(load_config(), builtin_geometry("e2b-random")) == []  # AR-32, window 512
     assert (
         genie.layout_problems(load_config(overrides={"prefill_ar": 128}), builtin_geometry("e2b-random"))
         == []
     )
-    r = CliRunner().invoke(main, ["--preset", "tiny", "--prefill-ar", "16", "plan"])
+    r = CliRunner().invoke(main, ["--preset", "tiny", "--prefill-ar", "8", "plan"])
     assert r.exit_code == 2 and r.output.strip().splitlines()[-1] == f"Error: {reason}"
     ckpt = tmp_path / "checkpoints" / "tiny"
     run_download("tiny", "main", ckpt)

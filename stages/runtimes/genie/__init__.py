@@ -22,20 +22,20 @@ class GenieRuntime:
     name = "genie"
 
     def layout_problems(self, cfg: PipelineConfig, geo) -> list[str]:
-        """A graph call wider than a sliding-window group's past: its first call on an empty cache
-        evicts from an empty queue (qualla SlidingWindow::processUpdate)."""
+        """A graph call as wide as a sliding-window group's past or wider: Genie 2.51 never writes
+        that group's cache (rules.window_not_written, measured with the real libGenie.so)."""
         from stages.contract import CACHE_PREFIX
         from stages.geometry import SLIDING
         from stages.graphs import past_len
-        from stages.runtimes.genie.rules import window_overflow
+        from stages.runtimes.genie.rules import window_not_written
 
         if not any(layer.attention == SLIDING for layer in geo.layers):
             return []
         problems = []
         for ar in sorted({cfg.prefill_ar, cfg.decode_ar}):
             slots = past_len(geo, SLIDING, cfg, ar)
-            if ar > slots:
-                problems.append(window_overflow(CACHE_PREFIX[SLIDING], ar, slots, 0))
+            if ar >= slots:
+                problems.append(window_not_written(CACHE_PREFIX[SLIDING], ar, slots))
         return problems
 
     def package(self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from stages.report import (
 from stages.results import CompileResult, ExportResult, require_result
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.files import GENIE_CONFIG, HTP_EXT_CONFIG, MANIFEST, TOKENIZER, TOKENIZER_CONFIG
-from stages.runtimes.genie.rules import sampler_problems
+from stages.runtimes.genie.rules import dialog_context_size, sampler_problems
 
 TEMPLATES = Path(__file__).resolve().parents[3] / "templates"
 # Gemma 4's published sampling defaults (its generation_config.json), used when a checkpoint
@@ -177,7 +177,7 @@ def render_context(
         }
     return {
         "context": {
-            "size": mask["shape"][-1],
+            "size": dialog_context_size(mask["shape"][-1]),
             "n_vocab": logits["shape"][-1],
             "bos": ids["context"]["bos-token"],
             "eos": ids["context"]["eos-token"],
@@ -309,7 +309,7 @@ def config_vs_graphs(
             problems.append(f"genie_config.json {what} is {got}, the graphs and the model say {want}")
 
     if MASK_NAME[FULL] in inputs:
-        expect("context.size", dialog["context"]["size"], inputs[MASK_NAME[FULL]][-1])
+        expect("context.size", dialog["context"]["size"], dialog_context_size(inputs[MASK_NAME[FULL]][-1]))
     if LOGITS in outputs:
         expect("context.n-vocab", dialog["context"]["n-vocab"], outputs[LOGITS][-1])
     for tensor, key in LUT_INPUTS.items():

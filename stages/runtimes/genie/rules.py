@@ -15,6 +15,32 @@ def window_overflow(prefix: str, step: int, slots: int, evictable: int) -> str:
     )
 
 
+def window_not_written(prefix: str, ar: int, slots: int) -> str:
+    """Why a graph of `ar` tokens cannot read a sliding-window cache group of `slots` past slots.
+
+    Measured on QAIRT 2.51's libGenie.so (x86, HTP emulation; docs/facts.md §3): when any graph's AR
+    is as wide as the window (its `swa_*_in` and `swa_*_out` hold as many entries), Genie logs every
+    KV$ copy into the group but the group's inputs keep their clear value, at every later call and
+    for every graph kind, so each sliding layer attends to nothing and the answer is wrong from the
+    second token. The tiny model (window 8) answers as transformers does at AR-7 and AR-4, not at AR-8.
+    """
+    return (
+        f"cache group {prefix!r}: a graph of {ar} tokens is as wide as the {slots}-slot window or wider; "
+        "Genie 2.51 then never writes the group's cache (measured): use a prefill AR smaller than the "
+        "window"
+    )
+
+
+def dialog_context_size(graph_context: int) -> int:
+    """genie_config.json's context.size for graphs whose attention mask spans `graph_context` slots.
+
+    One less (measured on QAIRT 2.51's libGenie.so): at context.size = the graphs' context, a reply
+    that fills it runs its last token and then fails the query (status -6, "KV update count exceeds
+    the total processed inputs": the decode graph has no slot left for that token's KV$); one less,
+    Genie stops before it with a warning status ("Context limit exceeded") and the reply intact."""
+    return graph_context - 1
+
+
 # Genie's basic sampler (qualla samplers/basic-sampler.cpp, BasicSampler::BasicSampler): the keys it
 # reads and the defaults it takes when one is absent.
 SAMPLER_DEFAULTS = {"temp": 0.1, "top-k": 0, "top-p": 0.8}

@@ -35,12 +35,16 @@ from stages.contract import (
 )
 from stages.graphs import qdq_file_name
 from stages.pipeline import output_dir
-from stages.report import REPORT_NAME, StageJob, read_report
+from stages.report import REPORT_NAME, STAMP_DIR, StageJob, read_report
 from stages.results import CompileResult, read_result
 from stages.runtimes import RuntimeFailure
+from stages.runtimes.genie import real_checks
 from stages.runtimes.genie.bundle import check_manifest, config_vs_graphs
 from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST, TOKENIZER
 from stages.runtimes.genie.replay import WRAP
+
+# The second turn the real Genie gets in the same dialog (short: the first turn's reply is in its cache).
+FOLLOW_UP = "Thanks."
 
 
 class VerifyError(RuntimeFailure):
@@ -374,6 +378,25 @@ def run_verify(
     stop_ids = set(stop_token_ids(checkpoint_dir))
     room = genie["context"]["size"] - len(prompt_ids) - (-len(prompt_ids)) % cfg.prefill_ar
     max_new_tokens = max(1, min(max_new_tokens, room))
+    # First the runtime the phone runs: QAIRT's own libGenie.so on the ctx-bins (real_checks.py).
+    real = None
+    if engine == "htp":
+        try:
+            real = real_checks.run_cases(
+                bundle_dir,
+                prompt,
+                query_text(bundle_dir, prompt),
+                query_text(bundle_dir, FOLLOW_UP),
+                prompt_ids,
+                tok.encode,
+                int(genie["context"]["bos-token"]),
+                max(cfg.prefill_ar, geo.sliding_window),
+                max_new_tokens,
+                int(genie["context"]["size"]),
+                Path(workdir) / STAMP_DIR / "genie-logs",
+            )
+        except real_checks.RealGenieError as e:
+            raise VerifyError(f"{bundle_dir}: {e}") from None
     try:
         # Greedy whatever the config's sampler: the one run that can be compared token by token.
         emulator.record = ReplayPlan() if engine == "replay" else None
@@ -388,6 +411,11 @@ def run_verify(
     emulator.engine.close()
     model = transformers_model(checkpoint_dir)
     theirs = greedy_tokens(model, prompt_ids, max_new_tokens, stop_ids)
+    real_wants = {}
+    if real is not None:
+        for case, ids in real.greedy_cases:
+            tokens = theirs if case == "chat" else greedy_tokens(model, ids, max_new_tokens, stop_ids)
+            real_wants[case] = [t for t in tokens if t not in stop_ids]
     # Top-1 along transformers' greedy path: every chain reads the same tokens at every position.
     ref = logits_of(model, prompt_ids + theirs[:-1])[len(prompt_ids) - 1 :]
     head = min(cfg.prefill_ar, len(sample) - 1) if sample is not None else 0
@@ -428,6 +456,11 @@ def run_verify(
                 + "\n  ".join(replayed.problems)
             )
 
+    if real is not None:
+        problems = real_checks.compare(real, real_wants, tok.decode, tok.encode, thresholds.min_prefix)
+        if problems:
+            raise VerifyError(f"{bundle_dir}: " + "; ".join(problems) + f" (logs: {real.greedy.log.parent})")
+
     shortfalls = thresholds.shortfalls(
         cfg,
         {
@@ -453,6 +486,7 @@ def run_verify(
                 "bundle": json.loads((bundle_dir / MANIFEST).read_text())["name"],
                 "checks": "manifest hashes, binary graph I/O vs quantized graphs and genie_config.json, "
                 "genie_config.json's other fields vs compile and the checkpoint, libGenie.so's validator, "
+                "the bundle under the real Genie (libGenie.so) vs transformers, "
                 "the binaries under a Genie emulator vs transformers and the host runner",
                 "engine": {"name": engine, "what": ENGINE_WHAT[engine]},
                 "htp_replay": replayed.figures() if replayed is not None else None,
@@ -469,6 +503,9 @@ def run_verify(
                     "choice transformers can be compared with token by token",
                 },
                 "genie_validator": GENIE_VALIDATOR,
+                "real_genie": real.figures()
+                if real is not None
+                else {"ran": False, "why": f"the {engine} engine's presets (E2B) are beyond its time budget"},
                 "thresholds": {
                     "min_matching_prefix": min(thresholds.min_prefix, len(theirs)),
                     "min_top1_agreement_with_transformers": thresholds.top1_with_transformers(cfg),

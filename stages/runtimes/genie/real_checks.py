@@ -1,0 +1,126 @@
+"""Verify's first check: the bundle under the real Genie (real.py), on the cases a phone meets.
+
+- `chat`: the prompt through the bundle's chat template, exactly as `make run` sends it, greedy;
+- `second query`: a short second chat turn in the same dialog, after the first reply;
+- `long`: the raw prompt repeated past one prefill chunk and the sliding window, greedy (its answer
+  crosses the window when the reply is longer than the window);
+- `token limit`: GenieDialog_setMaxNumTokens stops the reply (no error status, no more tokens);
+- `own sampler`: the bundle's own sampler config with no token limit, so the reply ends at EOS or at
+  a full context: a clean stop (status >= 0: Genie's context warning is not an error).
+
+The greedy answers are compared with transformers' greedy continuation afterwards (compare()): the
+answer must start with transformers' first tokens, decoded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stages.runtimes.genie.real import GREEDY, DialogRun, Query, RealGenieError, run_dialog
+
+# Tokens of the short reply the token-limit case asks for.
+LIMIT_TOKENS = 3
+
+
+@dataclass
+class RealRuns:
+    """The real Genie's runs of one verify, and the prompts transformers must answer too."""
+
+    greedy: DialogRun
+    sampled: DialogRun
+    greedy_cases: list[tuple[str, list[int]]]  # (case, prompt ids) compared with transformers
+    max_new_tokens: int
+
+    def figures(self) -> dict[str, Any]:
+        g, s = self.greedy, self.sampled
+        return {
+            "library": "libGenie.so (onnxruntime-qnn, QAIRT 2.51) over the x86 HTP emulation",
+            "create_s": g.create_s,
+            "query_s": {n: t for n, t in zip(CASES, g.query_s + s.query_s, strict=False)},
+            "statuses": {n: st for n, st in zip(CASES, g.statuses + s.statuses, strict=False)},
+            "answers": {n: a for n, a in zip(CASES, g.answers + s.answers, strict=False)},
+            "peak_rss_bytes": max(g.peak_rss_bytes, s.peak_rss_bytes),
+        }
+
+
+CASES = ("chat", "second query", "long", "token limit", "own sampler")
+
+
+def long_prompt_ids(encode, bos: int, text: str, over: int) -> tuple[str, list[int]]:
+    """`text` repeated until Genie's query (bos, then the text) is longer than `over` tokens."""
+    words = text
+    while len(encode(words)) + 1 <= over:
+        words = f"{words} {text}"
+    return words, [bos, *encode(words)]
+
+
+def run_cases(
+    bundle_dir: Path,
+    raw_prompt: str,
+    chat_text: str,
+    follow_up: str,
+    chat_ids: list[int],
+    encode,
+    bos: int,
+    past_window: int,
+    max_new_tokens: int,
+    context_size: int,
+    logs: Path,
+) -> RealRuns:
+    """Two dialogs (greedy, then the bundle's own sampler); raises RealGenieError naming Genie's own
+    words when one cannot be created or a query ends with an error status."""
+    long_text, long_ids = long_prompt_ids(encode, bos, raw_prompt, past_window)
+    greedy = run_dialog(
+        bundle_dir,
+        [
+            Query(chat_text, max_new_tokens, reset_before=True),
+            Query(follow_up, LIMIT_TOKENS),  # the second query in the same dialog
+            Query(long_text, max_new_tokens, reset_before=True),
+            Query(chat_text, LIMIT_TOKENS, reset_before=True),
+        ],
+        logs / "genie-greedy.log",
+        sampler=GREEDY,
+    )
+    own = [Query(chat_text, context_size, reset_before=True)]
+    sampled = run_dialog(bundle_dir, own, logs / "genie-sampled.log")
+    for run, names in ((greedy, CASES[:4]), (sampled, CASES[4:])):
+        if run.create_status != 0:
+            raise RealGenieError(
+                f"the real Genie could not load the bundle (status {run.create_status}): {run.errors()} "
+                f"(log: {run.log})"
+            )
+        for name, status in zip(names, run.statuses, strict=True):
+            if status < 0:  # GenieStatus: negative is an error, positive a warning (e.g. a full context)
+                raise RealGenieError(
+                    f"the real Genie failed the {name!r} query with status {status}: {run.errors()} "
+                    f"(log: {run.log})"
+                )
+    return RealRuns(greedy, sampled, [("chat", chat_ids), ("long", long_ids)], max_new_tokens)
+
+
+def compare(runs: RealRuns, theirs: dict[str, list[int]], decode, encode, min_prefix: int) -> list[str]:
+    """Shortfalls of the real Genie against transformers' greedy tokens (`theirs`, per case, stop
+    token excluded): each greedy answer must start with transformers' first `min_prefix` tokens,
+    decoded; the token-limit reply must hold no more tokens than asked; every reply must be text."""
+    problems = []
+    answers = dict(zip(CASES, runs.greedy.answers + runs.sampled.answers, strict=False))
+    for case, tokens in theirs.items():
+        want = decode(tokens[:min_prefix])
+        if not answers[case].startswith(want):
+            problems.append(
+                f"the real Genie answers the {case!r} prompt {answers[case][:60]!r}, transformers "
+                f"{decode(tokens)[:60]!r} (first {min(min_prefix, len(tokens))} tokens must agree)"
+            )
+    if len(encode(answers["token limit"])) > LIMIT_TOKENS:
+        problems.append(
+            f"the real Genie answered {answers['token limit']!r} past its token limit of {LIMIT_TOKENS}"
+        )
+    for case in ("second query", "own sampler"):
+        if not answers[case]:
+            problems.append(f"the real Genie gave no answer to the {case!r} query")
+    return problems
+
+
+__all__ = ["CASES", "RealGenieError", "RealRuns", "compare", "run_cases"]
