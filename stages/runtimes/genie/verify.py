@@ -38,9 +38,9 @@ from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, STAMP_DIR, StageJob, read_report
 from stages.results import CompileResult, read_result
 from stages.runtimes import RuntimeFailure
-from stages.runtimes.genie import real_checks
 from stages.runtimes.genie.bundle import check_manifest, config_vs_graphs
 from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST, TOKENIZER
+from stages.runtimes.genie.real_checks import RealGenieError, compare, run_cases
 from stages.runtimes.genie.replay import WRAP
 
 # The second turn the real Genie gets in the same dialog (short: the first turn's reply is in its cache).
@@ -382,7 +382,7 @@ def run_verify(
     real = None
     if engine == "htp":
         try:
-            real = real_checks.run_cases(
+            real = run_cases(
                 bundle_dir,
                 prompt,
                 query_text(bundle_dir, prompt),
@@ -395,7 +395,7 @@ def run_verify(
                 int(genie["context"]["size"]),
                 Path(workdir) / STAMP_DIR / "genie-logs",
             )
-        except real_checks.RealGenieError as e:
+        except RealGenieError as e:
             raise VerifyError(f"{bundle_dir}: {e}") from None
     try:
         # Greedy whatever the config's sampler: the one run that can be compared token by token.
@@ -457,7 +457,7 @@ def run_verify(
             )
 
     if real is not None:
-        problems = real_checks.compare(real, real_wants, tok.decode, tok.encode, thresholds.min_prefix)
+        problems = compare(real, real_wants, tok.decode, tok.encode, thresholds.min_prefix)
         if problems:
             raise VerifyError(f"{bundle_dir}: " + "; ".join(problems) + f" (logs: {real.greedy.log.parent})")
 
