@@ -50,7 +50,7 @@ def test_the_binaries_under_the_emulator_match_transformers(verified):
     assert verified["bundle_vs_host_runner_logits"]["top1_agreement"] >= 0.95
     # Prefill in AR-4 chunks (the last one padded), then AR-1 decode steps.
     steps = verified["emulator_prefill_steps"]
-    assert {s["ar"] for s in steps} == {8} and sum(s["n_process"] for s in steps) == verified["prompt_tokens"]
+    assert {s["ar"] for s in steps} == {4} and sum(s["n_process"] for s in steps) == verified["prompt_tokens"]
     behaviours = verified["genie_behaviours"]
     assert len(behaviours) >= 7 and all(b["source"] for b in behaviours)
 

@@ -1,0 +1,92 @@
+"""The tiny bundle under the real Genie: QAIRT 2.51's x86 libGenie.so over the HTP emulation, the
+library the phone runs. Each cause it found (docs/verification.md, "First: the real Genie") is held
+here against the real library, not against a model of it."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from stages.compile import run_compile
+from stages.config import load_config
+from stages.runtimes.genie.bundle import run_bundle
+from stages.runtimes.genie.files import GENIE_CONFIG
+from stages.runtimes.genie.prompt import query_text
+from stages.runtimes.genie.real import GREEDY, Query, run_dialog
+from stages.runtimes.genie.rules import dialog_context_size
+from stages.runtimes.genie.verify import run_verify
+from tests.conftest import copy_workdir
+
+pytestmark = pytest.mark.slow
+PROMPT = "Return the first element of a list."
+
+
+@pytest.fixture(scope="module")
+def bundle(quantized_tiny, tmp_path_factory) -> Path:
+    work = copy_workdir(quantized_tiny, tmp_path_factory.mktemp("real-genie") / "w")
+    cfg = load_config("tiny")
+    run_compile(cfg, work)
+    run_bundle(cfg, work, work / "checkpoints" / "tiny")
+    return work / "genie_bundle"
+
+
+def test_verify_runs_the_real_genie_first_and_it_answers_as_transformers(bundle):
+    work = bundle.parent
+    fig = run_verify(load_config("tiny"), work, work / "checkpoints" / "tiny", PROMPT)["figures"]
+    real = fig["real_genie"]
+    # Greedy on the chat prompt as `make run` sends it: the same 32 tokens as transformers.
+    assert real["answers"]["chat"] == fig["transformers_text"] and len(fig["transformers_tokens"]) == 32
+    assert set(real["statuses"]) == {"chat", "second query", "long", "token limit", "own sampler"}
+    assert all(status >= 0 for status in real["statuses"].values())
+    assert real["answers"]["second query"] and real["answers"]["own sampler"]
+    assert (work / ".g4v69" / "genie-logs" / "genie-greedy.log").stat().st_size > 0
+
+
+def test_every_part_is_typed_with_its_kv_and_its_cache_groups_sized(bundle, tmp_path):
+    """Genie types a graph from its outputs in name order: the `xfer_` hand-over tensors sort after
+    the cache outputs, so part 1 is a DECODER and each cache group gets its context size."""
+    run = run_dialog(bundle, [Query("Hi", 2)], tmp_path / "genie.log", sampler=GREEDY)
+    log = run.log.read_text(errors="replace")
+    assert run.statuses == [0]
+    assert "KV_SHARE_NO_KV_OUTPUT" not in log and "Missing context size" not in log
+    assert sorted(set(re.findall(r"Variant:\s+(\S+)", log))) == ["DECODER", "LMHEAD"]
+    assert "does not follow the expected split naming" not in log
+
+
+def _with_context_size(bundle: Path, dest: Path, size: int) -> Path:
+    shutil.copytree(bundle, dest, symlinks=True)
+    config = json.loads((dest / GENIE_CONFIG).read_text())
+    config["dialog"]["context"]["size"] = size
+    (dest / GENIE_CONFIG).write_text(json.dumps(config))
+    return dest
+
+
+def test_a_full_context_is_a_clean_stop_only_one_below_the_graphs_context(bundle, tmp_path):
+    """A greedy reply with no useful limit fills the context. At the graphs' own context Genie fails
+    the query (its KV$ has no slot for the last token); at dialog_context_size it stops with a
+    warning status and the reply intact."""
+    config = json.loads((bundle / GENIE_CONFIG).read_text())
+    size = config["dialog"]["context"]["size"]
+    assert size == dialog_context_size(128)
+    text = query_text(bundle, PROMPT)
+    ok = run_dialog(bundle, [Query(text, 1000)], tmp_path / "ok.log", sampler=GREEDY)
+    assert ok.statuses[0] > 0 and "Context limit exceeded" in ok.log.read_text(errors="replace")
+    assert len(ok.answers[0]) > 40
+    full = _with_context_size(bundle, tmp_path / "full", size + 1)
+    bad = run_dialog(full, [Query(text, 1000)], tmp_path / "bad.log", sampler=GREEDY)
+    assert bad.statuses[0] < 0 and "KV update count exceeds" in bad.errors()
+
+
+def test_the_token_limit_holds_across_queries_of_a_dialog(bundle, tmp_path):
+    """GenieDialog_setMaxNumTokens is a dialog setting: a later query without a new limit keeps it."""
+    run = run_dialog(
+        bundle,
+        [Query("Hi", 2, reset_before=True), Query("Hi", None, reset_before=True)],
+        tmp_path / "g.log",
+        GREEDY,
+    )
+    assert run.statuses == [0, 0] and run.answers[0] == run.answers[1]
