@@ -48,23 +48,23 @@ EMBEDDING_LUT_BITS = 16
 # A geometry tensor's kind -> the role whose storage rule it follows (the embedding is the tied lm_head).
 KIND_ROLES = {LINEAR: DECODER_ROLE, EMBEDDING: LM_HEAD_ROLE, PLE: PLE_ROLE, NORM: NORM_ROLE}
 
-# How Genie holds the LUT files, read from its public source (qualla, QAIRT 2.4x): the "lut" encoder
-# (qualla encoders/LUT.cpp, LUT::LUT) loads `lut-path` through genie::ResourceManager::getBuffer
-# (ResourceManager.cpp), which for a file allocates `new uint8_t[file size]` and fills it with
-# std::ifstream::read (readBinaryFromFile); only a DLC record ("record://") is memory-mapped. So a
-# LUT is resident whole, not just its touched rows, and the plan counts it whole.
+# How Genie holds the LUT files, measured on QAIRT 2.51's x86 libGenie.so (strace of GenieDialog_create
+# and a query on the tiny bundle): each LUT file is memory-mapped whole, read-only (mmap MAP_PRIVATE of
+# the file's size), after one read of its tail; rows become resident only as tokens touch them, as
+# file-backed pages the OS may drop. With 1 GiB appended to the per-layer LUT the process's peak RSS
+# moved by 0.3 MiB. (Genie's public source, qualla encoders/LUT.cpp through
+# ResourceManager::getBuffer, reads a file into a heap buffer: not what 2.51 does.) The plan still
+# counts the LUTs whole as pinned, an upper bound: what a long chat touches is far less.
 LUT_RESIDENCY = (
-    "read whole into a heap buffer at load: Genie's qualla LUT encoder (encoders/LUT.cpp, LUT::LUT) "
-    "calls genie::ResourceManager::getBuffer (ResourceManager.cpp), which for a file allocates "
-    "new uint8_t[file size] and fills it with std::ifstream::read; only DLC records are mmapped. The "
-    "perlayer-embedding section has the same {type lut, lut-path} form; its loader was not found in "
-    "the public source, so it is counted the same way"
+    "memory-mapped whole, read-only, at load (measured: QAIRT 2.51 libGenie.so, strace; peak RSS "
+    "unchanged with 1 GiB appended to a LUT): only touched rows become resident, as file-backed pages; "
+    "counted whole here as an upper bound"
 )
-# Genie's newest Dialog (qualla dialog.cpp requantEmbedding, the "leq_v2" feature) unpacks a
-# QNN_DATATYPE_UFIXED_POINT_4 LUT two entries per byte: what a 4-bit per-layer LUT would pin.
+# Measured on QAIRT 2.51's libGenie.so (docs/fitting.md, "A 4-bit per-layer LUT"): the perlayer-embedding
+# section takes a ufixed4 LUT, the even entry in the low nibble, requantized into the ufixed8 input.
 PLE_LUT_4BIT_NOTE = (
-    "not built: Genie's newest Dialog unpacks UFIXED_POINT_4 LUTs (qualla dialog.cpp requantEmbedding); "
-    "whether perlayer-embedding takes one, and the quality cost, are unmeasured"
+    "not built: QAIRT 2.51's Genie takes a ufixed4 perlayer-embedding LUT (measured: two entries per "
+    "byte, low nibble first; the tiny bundle answered as at 8 bits); export writes 8 or 16 bits"
 )
 
 

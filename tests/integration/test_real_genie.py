@@ -90,3 +90,59 @@ def test_the_token_limit_holds_across_queries_of_a_dialog(bundle, tmp_path):
         GREEDY,
     )
     assert run.statuses == [0, 0] and run.answers[0] == run.answers[1]
+
+
+def _with_per_layer_lut(bundle: Path, dest: Path, edit) -> Path:
+    """A copy of the bundle whose perlayer-embedding LUT `edit(config section, 8-bit rows)` rewrote."""
+    import numpy as np
+
+    shutil.copytree(bundle, dest, symlinks=True)
+    config = json.loads((dest / GENIE_CONFIG).read_text())
+    section = config["dialog"]["perlayer-embedding"]
+    rows = np.fromfile(dest / section["lut-path"], dtype=np.uint8)
+    edit(dest, section, rows)
+    (dest / GENIE_CONFIG).write_text(json.dumps(config))
+    return dest
+
+
+def test_luts_are_mapped_not_read_into_memory(bundle, tmp_path):
+    """What the plan's LUT residency cites: 256 MiB more LUT file leaves Genie's peak RSS alone."""
+    import os
+
+    def grow(dest, section, rows):
+        with open(dest / section["lut-path"], "ab") as f:
+            f.write(os.urandom(1 << 20) * 256)
+
+    big = _with_per_layer_lut(bundle, tmp_path / "big", grow)
+    runs = [run_dialog(b, [Query("Hi", 2)], tmp_path / f"{b.name}.log", GREEDY) for b in (bundle, big)]
+    assert [r.statuses for r in runs] == [[0], [0]] and runs[0].answers == runs[1].answers
+    assert abs(runs[1].peak_rss_bytes - runs[0].peak_rss_bytes) < 32 * 2**20
+
+
+@pytest.mark.parametrize("low_nibble_first", [True, False])
+def test_the_per_layer_lut_may_be_ufixed4_with_the_even_entry_in_the_low_nibble(
+    bundle, tmp_path, low_nibble_first
+):
+    """The per-layer LUT at 4 bits (one scale and offset over its whole range) answers as at 8 bits on
+    the tiny model; packed the other way round it answers something else: Genie reads the nibbles."""
+    import numpy as np
+
+    def to_4_bits(dest, section, rows):
+        q = section["quant-param"]
+        real = (rows.astype(np.float64) + q["offset"]) * q["scale"]
+        scale = (real.max() - real.min()) / 15
+        offset = int(round(real.min() / scale))
+        q4 = np.clip(np.round(real / scale) - offset, 0, 15).astype(np.uint8)
+        even, odd = q4[0::2], q4[1::2]
+        packed = even | (odd << 4) if low_nibble_first else (even << 4) | odd
+        packed.astype(np.uint8).tofile(dest / "per_layer_embedding_ufixed4.bin")
+        section.update(
+            {"lut-path": "per_layer_embedding_ufixed4.bin", "datatype": "ufixed4"},
+            **{"quant-param": {"scale": scale, "offset": offset}},
+        )
+
+    four = _with_per_layer_lut(bundle, tmp_path / "four", to_4_bits)
+    text = query_text(bundle, PROMPT)
+    runs = [run_dialog(b, [Query(text, 16)], tmp_path / f"{b.name}.log", GREEDY) for b in (bundle, four)]
+    assert [r.statuses for r in runs] == [[0], [0]]
+    assert (runs[1].answers == runs[0].answers) is low_nibble_first
