@@ -44,6 +44,8 @@ def test_verify_runs_the_real_genie_first_and_it_answers_as_transformers(bundle)
     assert all(status >= 0 for status in real["statuses"].values())
     assert real["answers"]["second query"] and real["answers"]["own sampler"]
     assert (work / ".g4v69" / "genie-logs" / "genie-greedy.log").stat().st_size > 0
+    # `make run` sends the phone's genie-t2t-run exactly the text the real Genie got here.
+    assert real["chat_query"] == query_text(bundle, PROMPT)
 
 
 def test_every_part_is_typed_with_its_kv_and_its_cache_groups_sized(bundle, tmp_path):

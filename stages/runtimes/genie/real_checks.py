@@ -32,11 +32,13 @@ class RealRuns:
     sampled: DialogRun
     greedy_cases: list[tuple[str, list[int]]]  # (case, prompt ids) compared with transformers
     max_new_tokens: int
+    chat_query: str  # the text GenieDialog_query got: `make run`'s (prompt.query_text)
 
     def figures(self) -> dict[str, Any]:
         g, s = self.greedy, self.sampled
         return {
             "library": "libGenie.so (onnxruntime-qnn, QAIRT 2.51) over the x86 HTP emulation",
+            "chat_query": self.chat_query,
             "create_s": g.create_s,
             "query_s": {n: t for n, t in zip(CASES, g.query_s + s.query_s, strict=False)},
             "statuses": {n: st for n, st in zip(CASES, g.statuses + s.statuses, strict=False)},
@@ -97,7 +99,7 @@ def run_cases(
                     f"the real Genie failed the {name!r} query with status {status}: {run.errors()} "
                     f"(log: {run.log})"
                 )
-    return RealRuns(greedy, sampled, [("chat", chat_ids), ("long", long_ids)], max_new_tokens)
+    return RealRuns(greedy, sampled, [("chat", chat_ids), ("long", long_ids)], max_new_tokens, chat_text)
 
 
 def compare(runs: RealRuns, theirs: dict[str, list[int]], decode, encode, min_prefix: int) -> list[str]:
