@@ -92,6 +92,13 @@ def collect(cfg: PipelineConfig, workdir: Path, plan: dict[str, Any] | None = No
             "htp_replay_skipped_for_time": replayed.get("skipped_for_time", []),
             "htp_replay_s": replayed.get("seconds"),
             "binaries_executed_on_htp": len(replayed.get("binaries_executed", [])),
+            # Older reports (before verify ran the real Genie) have none.
+            "real_genie": {
+                k: fig["real_genie"][k]
+                for k in ("create_s", "query_s", "statuses", "answers", "peak_rss_bytes")
+            }
+            if "real_genie" in fig
+            else None,
         }
     done = [s for s in ("export", "quantize", "compile") if stages.get(s)]
     return {
@@ -155,6 +162,16 @@ def to_markdown(result: dict[str, Any], command: str) -> str:
                 f"{c['worst_sqnr_db']:.1f} dB |"
             )
         lines.append("")
+        real = verified.get("real_genie")
+        if real:
+            queries = ", ".join(
+                f"{case} {t:.0f} s (status {real['statuses'][case]})" for case, t in real["query_s"].items()
+            )
+            lines += [
+                f"The real Genie (libGenie.so, x86 HTP emulation): loaded in {real['create_s']:.1f} s; "
+                f"{queries}; peak RSS {real['peak_rss_bytes'] / GIB:.2f} GiB.",
+                "",
+            ]
     lines += [
         "| graph | export | quantize | compile | compile peak RSS | ONNX (float32) | binary |",
         "|---|---|---|---|---|---|---|",

@@ -300,9 +300,7 @@ def verify(
     fig = StageReport.from_dict(report).figures
     held = fig["heldout"]
     click.echo(f"prompt: {prompt}")
-    real = fig["real_genie"]
-    if real.get("answers"):
-        click.echo(f"bundle (real Genie, greedy):   {real['answers']['chat']!r}")
+    click.echo(f"bundle (real Genie, greedy):   {fig['real_genie']['answers']['chat']!r}")
     click.echo(f"bundle (Genie emulator, {fig['engine']['name']}): {fig['bundle_text']!r}")
     click.echo(f"transformers (float):          {fig['transformers_text']!r}")
     click.echo(

@@ -40,11 +40,13 @@ from stages.results import CompileResult, read_result
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.bundle import check_manifest, config_vs_graphs
 from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST, TOKENIZER
-from stages.runtimes.genie.real_checks import RealGenieError, compare, run_cases
+from stages.runtimes.genie.real_checks import RealGenieError, compare, run_cases, run_short
 from stages.runtimes.genie.replay import WRAP
 
 # The second turn the real Genie gets in the same dialog (short: the first turn's reply is in its cache).
 FOLLOW_UP = "Thanks."
+# Greedy tokens of the one real-Genie query verify runs at E2B geometry (the replay and cpu engines).
+SHORT_QUERY_TOKENS = 2
 
 
 class VerifyError(RuntimeFailure):
@@ -378,10 +380,11 @@ def run_verify(
     stop_ids = set(stop_token_ids(checkpoint_dir))
     room = genie["context"]["size"] - len(prompt_ids) - (-len(prompt_ids)) % cfg.prefill_ar
     max_new_tokens = max(1, min(max_new_tokens, room))
-    # First the runtime the phone runs: QAIRT's own libGenie.so on the ctx-bins (real_checks.py).
-    real = None
-    if engine == "htp":
-        try:
+    # First the runtime the phone runs: QAIRT's own libGenie.so on the ctx-bins (real_checks.py): every
+    # case with the htp engine (the tiny presets), one short query with the others (E2B geometry).
+    logs = Path(workdir) / STAMP_DIR / "genie-logs"
+    try:
+        if engine == "htp":
             real = run_cases(
                 bundle_dir,
                 prompt,
@@ -393,10 +396,12 @@ def run_verify(
                 max(cfg.prefill_ar, geo.sliding_window),
                 max_new_tokens,
                 int(genie["context"]["size"]),
-                Path(workdir) / STAMP_DIR / "genie-logs",
+                logs,
             )
-        except RealGenieError as e:
-            raise VerifyError(f"{bundle_dir}: {e}") from None
+        else:
+            real = run_short(bundle_dir, query_text(bundle_dir, prompt), prompt_ids, SHORT_QUERY_TOKENS, logs)
+    except RealGenieError as e:
+        raise VerifyError(f"{bundle_dir}: {e}") from None
     try:
         # Greedy whatever the config's sampler: the one run that can be compared token by token.
         emulator.record = ReplayPlan() if engine == "replay" else None
@@ -412,10 +417,9 @@ def run_verify(
     model = transformers_model(checkpoint_dir)
     theirs = greedy_tokens(model, prompt_ids, max_new_tokens, stop_ids)
     real_wants = {}
-    if real is not None:
-        for case, ids in real.greedy_cases:
-            tokens = theirs if case == "chat" else greedy_tokens(model, ids, max_new_tokens, stop_ids)
-            real_wants[case] = [t for t in tokens if t not in stop_ids]
+    for case, ids in real.greedy_cases:
+        tokens = theirs if case == "chat" else greedy_tokens(model, ids, max_new_tokens, stop_ids)
+        real_wants[case] = [t for t in tokens if t not in stop_ids]
     # Top-1 along transformers' greedy path: every chain reads the same tokens at every position.
     ref = logits_of(model, prompt_ids + theirs[:-1])[len(prompt_ids) - 1 :]
     head = min(cfg.prefill_ar, len(sample) - 1) if sample is not None else 0
@@ -456,10 +460,10 @@ def run_verify(
                 + "\n  ".join(replayed.problems)
             )
 
-    if real is not None:
-        problems = compare(real, real_wants, tok.decode, tok.encode, thresholds.min_prefix)
-        if problems:
-            raise VerifyError(f"{bundle_dir}: " + "; ".join(problems) + f" (logs: {real.greedy.log.parent})")
+    real_tokens = max_new_tokens if engine == "htp" else SHORT_QUERY_TOKENS
+    problems = compare(real, real_wants, tok.decode, tok.encode, min(thresholds.min_prefix, real_tokens))
+    if problems:
+        raise VerifyError(f"{bundle_dir}: " + "; ".join(problems) + f" (logs: {real.log_dir})")
 
     shortfalls = thresholds.shortfalls(
         cfg,
@@ -503,9 +507,7 @@ def run_verify(
                     "choice transformers can be compared with token by token",
                 },
                 "genie_validator": GENIE_VALIDATOR,
-                "real_genie": real.figures()
-                if real is not None
-                else {"ran": False, "why": f"the {engine} engine's presets (E2B) are beyond its time budget"},
+                "real_genie": real.figures(),
                 "thresholds": {
                     "min_matching_prefix": min(thresholds.min_prefix, len(theirs)),
                     "min_top1_agreement_with_transformers": thresholds.top1_with_transformers(cfg),
