@@ -49,12 +49,20 @@ Genie behaviours emulated, and the public file each follows (GENIE_BEHAVIOURS li
 - QnnHtp kv-dim is the kv-dim of a cache group that names none (qualla engines/qnn-htp.cpp); the
   binaries' KV entries must have that width in some group.
 
+Checked against the real Genie (tests/integration/test_real_genie.py): on the tiny bundle and the
+demo prompt (13 prefill chunks past the sliding window, then decode steps), every graph input of every
+call Genie ran equals the emulator's feed: LUT rows, padded rows, masks, RoPE tables of the valid rows
+and hand-over rows exactly, KV caches within one step in at most 2% of entries (the RoPE tables'
+last bit). Genie skips the last part of a prefill chunk whose logits it drops; the emulator runs it
+(its outputs feed nothing).
+
 Assumptions (Genie's Gemma 4 support, Genie >= 2.48, is newer than the public source):
 - `per_layer_inputs` is fed from `perlayer-embedding` by the same T2E rule as `inputs_embeds`.
 - Both RoPE tables follow `positional-encoding` (the entry without a prefix feeds `position_ids_*`, the
   `swa_` entry `swa_position_ids_*`); rope-dim is the table width; "proportional" zeroes the
-  frequencies past partial-rotary-factor; float cos/sin are quantized (round to nearest) into each
-  input's encoding; padded rows continue the positions.
+  frequencies past partial-rotary-factor; the angles in double and cos/sin quantized into each
+  input's encoding by truncation, as Genie does (checked against its dumps); padded rows continue the
+  positions (Genie fills them otherwise; they attend nothing, so nothing reads them).
 - Greedy picking takes the first index of the largest raw logit.
 - A graph's tensor table (names, shapes, encodings, QNN graph name) is read from the compile stage's
   record of that very file (compiled/report.json, matched by sha256), where Genie reads it from the
@@ -376,8 +384,20 @@ def rope_table(entry: dict[str, Any], positions: np.ndarray) -> tuple[np.ndarray
     scaling = entry.get("rope-scaling") or {}
     partial = scaling.get("partial-rotary-factor") if scaling.get("rope-type") == "proportional" else None
     inv = inverse_frequencies(float(entry["rope-theta"]), 2 * width, partial)
-    freqs = positions.astype(np.float32)[:, None] * inv[None, :]
+    # In double, as Genie computes the angles (its dumped tables match only so).
+    freqs = positions.astype(np.float64)[:, None] * np.asarray(inv, dtype=np.float64)[None, :]
     return np.cos(freqs), np.sin(freqs)
+
+
+def quantize_truncating(enc: Encoding, x: np.ndarray) -> np.ndarray:
+    """x into a fixed-point encoding as Genie quantizes its RoPE tables: q = (T)(x / scale - offset),
+    a C cast that truncates (measured: QAIRT 2.51's dumped position_ids_* equal this in every entry
+    on the tiny bundle; rounding to nearest differed in up to 59 of 64)."""
+    if not enc.is_fixed:
+        return np.asarray(x, dtype=enc.numpy_dtype)
+    info = np.iinfo(enc.numpy_dtype)
+    q = np.trunc(np.asarray(x, dtype=np.float64) / enc.scale - enc.offset)
+    return np.clip(q, info.min, info.max).astype(enc.numpy_dtype)
 
 
 # ---- cache groups ----
@@ -757,7 +777,7 @@ class GenieEmulator:
                         f"positional-encoding {prefix or '(global)'} rope-dim {values.shape[-1]}, but "
                         f"{t.name} is {t.shape[-1]} wide"
                     )
-                out[t.name] = t.encoding.quantize(values).reshape(t.shape)
+                out[t.name] = quantize_truncating(t.encoding, values).reshape(t.shape)
         return out
 
     def call(self, ids: list[int]) -> np.ndarray:

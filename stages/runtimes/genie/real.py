@@ -77,9 +77,13 @@ def library_dir() -> Path:
     return folder
 
 
-def _staged_bundle(bundle_dir: Path, sampler: dict[str, Any] | None, work: Path) -> Path:
+def _staged_bundle(
+    bundle_dir: Path, sampler: dict[str, Any] | None, work: Path, dump_dir: Path | None = None
+) -> Path:
     """A folder that is the bundle (its files linked, not copied) with genie_config.json's sampler
-    replaced where asked: Genie reads every path relative to its working directory."""
+    replaced where asked: Genie reads every path relative to its working directory. With dump_dir,
+    Genie writes every call's raw inputs and outputs there (its `debug` section: dump-tensors; it
+    dumps the first 10 calls) and a spec.<graph>.json of each graph's tensors."""
     staged = work / "bundle"
     staged.mkdir()
     for f in bundle_dir.iterdir():
@@ -88,6 +92,9 @@ def _staged_bundle(bundle_dir: Path, sampler: dict[str, Any] | None, work: Path)
     config = json.loads((bundle_dir / GENIE_CONFIG).read_text())
     if sampler is not None:
         config["dialog"]["sampler"].update(sampler)
+    if dump_dir is not None:
+        debug = {"path": str(dump_dir.resolve()), "dump-tensors": True, "dump-specs": True}
+        config["dialog"]["debug"] = debug | {"dump-outputs": True}
     (staged / GENIE_CONFIG).write_text(json.dumps(config, indent=1))
     return staged
 
@@ -98,13 +105,15 @@ def run_dialog(
     log_path: Path,
     sampler: dict[str, Any] | None = None,
     timeout_s: float = 1800,
+    dump_dir: Path | None = None,
 ) -> DialogRun:
     """The queries through one Genie dialog on the bundle, in a child process; `sampler` replaces
-    genie_config.json's sampler fields (GREEDY for a comparison with transformers)."""
+    genie_config.json's sampler fields (GREEDY for a comparison with transformers); `dump_dir` gets
+    Genie's own dumps of each call's tensors (_staged_bundle)."""
     libs = library_dir()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="g4v69-genie-") as tmp:
-        staged = _staged_bundle(bundle_dir.resolve(), sampler, Path(tmp))
+        staged = _staged_bundle(bundle_dir.resolve(), sampler, Path(tmp), dump_dir)
         spec = Path(tmp) / "spec.json"
         spec.write_text(
             json.dumps(
