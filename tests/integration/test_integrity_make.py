@@ -135,8 +135,8 @@ def test_presets_prompts_paths_and_clean_through_make(tmp_path):
     assert json.loads((work / "verify" / "report.json").read_text())["figures"]["prompt"] == prompt
     assert not canary.exists() and _ran(r) == set()
     too_long = make("verify", "PRESET=tiny", "RUNNER=local", f"WORKDIR={work}", "PROMPT=" + "word " * 40)
-    # One line: the Genie emulator finds the prompt overflows the `past_` cache, as Genie would.
-    assert too_long.returncode == 2 and "Context Size was exceeded" in _error(too_long)
+    # One line, in the real Genie's own words: the prompt is longer than the context.
+    assert too_long.returncode == 2 and "Input exceeds the context of the model" in _error(too_long)
     assert "Traceback" not in too_long.stderr
 
     # The default preset forgotten: its download fails (offline) and must not touch the tiny results.

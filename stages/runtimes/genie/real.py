@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,11 @@ LOG_VERBOSE = 4
 SENTENCE_COMPLETE = 0
 # The greedy sampler Genie's BasicSampler takes (rules.sampler_is_greedy).
 GREEDY = {"temp": 0.0, "top-k": 1, "top-p": 1.0}
+
+
+# Lines the x86 libraries print on every run (libnative's configuration notice, the CPU affinity the
+# config's cpu-mask asks for on a machine with fewer cores, Genie's load path).
+NOISE = re.compile(r"LIBNATIVE|failed to set affinity mask|Using create From Binary")
 
 
 class RealGenieError(RuntimeError):
@@ -53,12 +59,15 @@ class DialogRun:
     create_s: float = 0.0
     peak_rss_bytes: int = 0
     log: Path | None = None
+    stderr: list[str] = field(default_factory=list)  # what Genie printed itself (e.g. a refused input)
 
     def errors(self, limit: int = 2) -> str:
-        """Genie's own error lines from its log, for a one-line failure."""
-        if self.log is None or not self.log.is_file():
-            return ""
-        lines = [ln[4:] for ln in self.log.read_text(errors="replace").splitlines() if ln.startswith("[1] ")]
+        """Genie's own error lines, from its log and what it printed, for a one-line failure."""
+        lines = list(self.stderr)
+        if self.log is not None and self.log.is_file():
+            lines += [
+                ln[4:] for ln in self.log.read_text(errors="replace").splitlines() if ln.startswith("[1] ")
+            ]
         return " | ".join(lines[:limit])
 
 
@@ -153,6 +162,7 @@ def run_dialog(
         create_s=r["create_s"],
         peak_rss_bytes=r["peak_rss_bytes"],
         log=log_path,
+        stderr=[ln for ln in p.stderr.splitlines() if ln.strip() and not NOISE.search(ln)],
     )
 
 
