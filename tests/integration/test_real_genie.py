@@ -59,10 +59,11 @@ def test_every_part_is_typed_with_its_kv_and_its_cache_groups_sized(bundle, tmp_
     assert "does not follow the expected split naming" not in log
 
 
-def _with_context_size(bundle: Path, dest: Path, size: int) -> Path:
+def _edited(bundle: Path, dest: Path, edit) -> Path:
+    """A copy of the bundle whose genie_config.json dialog section `edit` changed."""
     shutil.copytree(bundle, dest, symlinks=True)
     config = json.loads((dest / GENIE_CONFIG).read_text())
-    config["dialog"]["context"]["size"] = size
+    edit(config["dialog"])
     (dest / GENIE_CONFIG).write_text(json.dumps(config))
     return dest
 
@@ -78,7 +79,7 @@ def test_a_full_context_is_a_clean_stop_only_one_below_the_graphs_context(bundle
     ok = run_dialog(bundle, [Query(text, 1000)], tmp_path / "ok.log", sampler=GREEDY)
     assert ok.statuses[0] > 0 and "Context limit exceeded" in ok.log.read_text(errors="replace")
     assert len(ok.answers[0]) > 40
-    full = _with_context_size(bundle, tmp_path / "full", size + 1)
+    full = _edited(bundle, tmp_path / "full", lambda d: d["context"].update(size=size + 1))
     bad = run_dialog(full, [Query(text, 1000)], tmp_path / "bad.log", sampler=GREEDY)
     assert bad.statuses[0] < 0 and "KV update count exceeds" in bad.errors()
 
@@ -200,3 +201,17 @@ def test_the_emulator_feeds_every_call_as_the_real_genie_does(bundle, tmp_path):
                 )
                 compared += 1
     assert compared >= 14 * len(emulator.recorded)
+
+
+def test_a_reply_stops_cleanly_at_an_eos_token(bundle, tmp_path):
+    """The tiny model never ends a reply within the context by itself, so one of its greedy tokens is
+    made an EOS in a copy of the config: Genie must stop there, with status 0, before that token."""
+    from stages.chat import ChatTokenizer
+
+    text = query_text(bundle, PROMPT)
+    full = run_dialog(bundle, [Query(text, 8)], tmp_path / "full.log", GREEDY).answers[0]
+    stop_at = ChatTokenizer(bundle).encode(full)[3]
+    eos = _edited(bundle, tmp_path / "eos", lambda d: d["context"]["eos-token"].append(stop_at))
+    run = run_dialog(eos, [Query(text, 8)], tmp_path / "eos.log", GREEDY)
+    assert run.statuses == [0]
+    assert full.startswith(run.answers[0]) and len(ChatTokenizer(bundle).encode(run.answers[0])) == 3
