@@ -135,6 +135,20 @@ def copy_workdir(src: Path, dest: Path) -> Path:
     return dest
 
 
+@pytest.fixture(scope="module")
+def bundled(quantized_tiny, tmp_path_factory) -> Path:
+    """A copy of `quantized_tiny` compiled and bundled (the tiny preset): genie_bundle/ in it."""
+    from stages.compile import run_compile
+    from stages.config import load_config
+    from stages.runtimes.genie.bundle import run_bundle
+
+    work = copy_workdir(quantized_tiny, tmp_path_factory.mktemp("bundled") / "w")
+    cfg = load_config("tiny")
+    run_compile(cfg, work)
+    run_bundle(cfg, work, work / "checkpoints" / "tiny")
+    return work
+
+
 def rewrite_report(work: Path, folder: Path, report: dict) -> None:
     """Write folder/report.json as its stage would have (sealed), and record the new file in every
     later stage's report under `work` that read it, and so on down: a work folder whose stages all

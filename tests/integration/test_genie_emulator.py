@@ -26,15 +26,6 @@ PROMPT = "Return the first element of a list."
 
 
 @pytest.fixture(scope="module")
-def bundled(quantized_tiny, tmp_path_factory) -> Path:
-    work = copy_workdir(quantized_tiny, tmp_path_factory.mktemp("emulator") / "w")
-    cfg = load_config("tiny")
-    run_compile(cfg, work)
-    run_bundle(cfg, work, work / "checkpoints" / "tiny")
-    return work
-
-
-@pytest.fixture(scope="module")
 def verified(bundled) -> dict:
     """verify as `make demo` runs it: the HTP engine on the binaries."""
     return run_verify(load_config("tiny"), bundled, bundled / "checkpoints" / "tiny", PROMPT)["figures"]

@@ -11,27 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from stages.compile import run_compile
 from stages.config import load_config
-from stages.runtimes.genie.bundle import run_bundle
 from stages.runtimes.genie.files import GENIE_CONFIG
 from stages.runtimes.genie.prompt import query_text
 from stages.runtimes.genie.real import GREEDY, Query, run_dialog
 from stages.runtimes.genie.rules import dialog_context_size
 from stages.runtimes.genie.verify import run_verify
-from tests.conftest import copy_workdir
 
 pytestmark = pytest.mark.slow
 PROMPT = "Return the first element of a list."
 
 
 @pytest.fixture(scope="module")
-def bundle(quantized_tiny, tmp_path_factory) -> Path:
-    work = copy_workdir(quantized_tiny, tmp_path_factory.mktemp("real-genie") / "w")
-    cfg = load_config("tiny")
-    run_compile(cfg, work)
-    run_bundle(cfg, work, work / "checkpoints" / "tiny")
-    return work / "genie_bundle"
+def bundle(bundled) -> Path:
+    return bundled / "genie_bundle"
 
 
 def test_verify_runs_the_real_genie_first_and_it_answers_as_transformers(bundle):
