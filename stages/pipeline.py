@@ -82,7 +82,7 @@ PIPELINE: tuple[Stage, ...] = (
         "verify",
         ("download", "quantize", "bundle"),
         "export",
-        "check the bundle under a Genie emulator against transformers into verify/ (VERIFY_*)",
+        "check the bundle under the real Genie and an emulator against transformers into verify/ (VERIFY_*)",
         "stages.cli:verify",
         stamped=False,
     ),
