@@ -85,4 +85,5 @@ def test_bench_report_reads_every_stage_and_graph(quantized_tiny, tmp_path):
     md = to_markdown(result, "make bench")
     assert "| compile |" in md and "| prefill_ar4_part1_of_2 |" in md and "`make bench`" in md
     assert "| verify |" in md and "replayed through the 4 ctx-bins on the HTP emulation" in md
-    assert "| window wrap | 8 |" in md
+    assert "| window wrap | 4 |" in md
+    assert "The real Genie (libGenie.so, x86 HTP emulation): loaded in" in md
