@@ -285,6 +285,7 @@ clean: ## remove stage outputs under WORKDIR (not checkpoints and their stamps, 
 	for f in $(foreach s,$(STAGES),$(if $(call per_checkpoint,$(s)),,'$(WORKDIR)/$(call stage_field,$(s),2)')); do \
 	  [ -d "$$f" ] || continue; find "$$f" -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +; rmdir "$$f" 2>/dev/null || true; done
 	rm -f '$(WORKDIR)/.g4v69/aihub_jobs.json' $(foreach s,$(STAGES),$(if $(call per_checkpoint,$(s)),,'$(WORKDIR)/.g4v69/'$(s)-*.json))
+	rm -rf '$(WORKDIR)/.g4v69/genie-logs'  # verify's real-Genie logs (stages/runtimes/genie/verify.py GENIE_LOGS)
 	$(foreach s,$(STAGES),$(if $(call per_checkpoint,$(s)),$(PYTHON) -m stages.report clean '$(WORKDIR)' '$(WORKDIR)/$(call stage_field,$(s),2)';))
 
 FORCE:

@@ -32,6 +32,7 @@ class RealRuns:
     runs: list[tuple[tuple[str, ...], DialogRun]]  # (its queries' case names, the dialog)
     greedy_cases: list[tuple[str, list[int]]]  # (case, prompt ids) compared with transformers
     chat_query: str  # the text GenieDialog_query got: `make run`'s (prompt.query_text)
+    new_tokens: int  # the greedy answers' token limit
 
     def per_case(self, what: str) -> dict[str, Any]:
         return {n: v for names, run in self.runs for n, v in zip(names, getattr(run, what), strict=True)}
@@ -110,7 +111,7 @@ def run_cases(
         _checked(names, run_dialog(bundle_dir, greedy, logs / "genie-greedy.log", sampler=GREEDY)),
         _checked(("own sampler",), run_dialog(bundle_dir, own, logs / "genie-sampled.log")),
     ]
-    return RealRuns(runs, [("chat", chat_ids), ("long", long_ids)], chat_text)
+    return RealRuns(runs, [("chat", chat_ids), ("long", long_ids)], chat_text, max_new_tokens)
 
 
 def run_short(bundle_dir: Path, chat_text: str, chat_ids: list[int], new_tokens: int, logs: Path) -> RealRuns:
@@ -118,7 +119,7 @@ def run_short(bundle_dir: Path, chat_text: str, chat_ids: list[int], new_tokens:
     call of the x86 HTP emulation takes minutes. It loads the bundle and times a query."""
     query = [Query(chat_text, new_tokens, reset_before=True)]
     run = _checked(("chat",), run_dialog(bundle_dir, query, logs / "genie-greedy.log", sampler=GREEDY))
-    return RealRuns([run], [("chat", chat_ids)], chat_text)
+    return RealRuns([run], [("chat", chat_ids)], chat_text, new_tokens)
 
 
 def compare(
@@ -128,10 +129,11 @@ def compare(
     greedy tokens (stop token excluded): transformers on the chat prompt (the quality bar), the
     emulator on the same binaries for the long one (the runtime bar: past the window, the two must
     agree whatever quantization did to the answer). Each answer must start with the first
-    `min_prefix` tokens, decoded; the token-limit reply must hold no more tokens than asked; every
-    other reply must be text."""
+    `min_prefix` tokens (at most the answers' own limit), decoded; the token-limit reply must hold
+    no more tokens than asked; every other reply must be text."""
     problems = []
     answers = runs.per_case("answers")
+    min_prefix = min(min_prefix, runs.new_tokens)
     for case, (who, tokens) in wants.items():
         want = decode(tokens[:min_prefix])
         if not answers[case].startswith(want):
