@@ -31,6 +31,9 @@ VERIFY_MIN_TOP1 ?=
 # verify's top-1 check on held-out text needs that text (the built-in corpus, or WikiText-2 with
 # network); without it verify fails and says so, unless VERIFY_HELDOUT=off, which its report records.
 VERIFY_HELDOUT ?= on
+# verify runs the bundle under the real Genie (libGenie.so, x86 HTP emulation) first; VERIFY_REAL_GENIE=off
+# skips it (at E2B geometry its short query takes tens of minutes), and its report records that.
+VERIFY_REAL_GENIE ?= on
 # A snapshot folder you already have: `make download FROM=DIR` imports it instead of downloading, as
 # checkpoints/<MODEL's name>, or named after DIR when MODEL is empty.
 FROM          ?=
@@ -137,7 +140,8 @@ download_ARGS    = $(call opt,from,$(if $(FROM),$(abspath $(FROM))))
 quantize_ARGS    = $(QUANT_ARGS)
 quantize_IMAGE   = $(QUANT_IMAGE)
 verify_ARGS      = $(call opt,min-prefix,$(VERIFY_MIN_PREFIX)) \
-  $(call opt,min-top1,$(VERIFY_MIN_TOP1)) $(if $(filter off,$(VERIFY_HELDOUT)),--no-heldout,--heldout)
+  $(call opt,min-top1,$(VERIFY_MIN_TOP1)) $(if $(filter off,$(VERIFY_HELDOUT)),--no-heldout,--heldout) \
+  $(if $(filter off,$(VERIFY_REAL_GENIE)),--no-real-genie,--real-genie)
 verify_QUIET     = @
 verify_AFTER     = @echo "bundle: $(ABS_WORKDIR)/genie_bundle"
 # The prompt reaches g4v69 through the environment, unexpanded: `$`, quotes and newlines stay as typed.
@@ -160,7 +164,7 @@ help: ## list the targets and variables
 	@echo "  PRESET=$(PRESET) MODEL MODEL_REVISION SOC PRECISION MAX_CONTEXT PREFILL_AR DECODE_AR"
 	@echo "  NUM_SHARDS COMPILER=local|aihub (aihub: QAI_HUB_API_TOKEN) QAIRT_VERSION PROMPT FROM=DIR (import a snapshot) RUNNER=docker|local WORKDIR=$(WORKDIR)"
 	@echo "  QUANT_ARGS (e.g. --compare-ple-policies) QUANT_IMAGE=quant|quant-rocm DOCKER_ARGS"
-	@echo "  VERIFY_ENGINE=htp|replay|cpu VERIFY_MIN_PREFIX VERIFY_MIN_TOP1 (verify's pass thresholds against transformers) VERIFY_HELDOUT=on|off"
+	@echo "  VERIFY_ENGINE=htp|replay|cpu VERIFY_MIN_PREFIX VERIFY_MIN_TOP1 (verify's pass thresholds against transformers) VERIFY_HELDOUT=on|off VERIFY_REAL_GENIE=on|off"
 	@echo "  BASE_IMAGE=$(BASE_IMAGE) (or 'debootstrap') WHEELHOUSE=$(WHEELHOUSE)"
 
 # ---- pipeline ----

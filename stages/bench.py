@@ -97,7 +97,7 @@ def collect(cfg: PipelineConfig, workdir: Path, plan: dict[str, Any] | None = No
                 k: fig["real_genie"][k]
                 for k in ("create_s", "query_s", "statuses", "answers", "peak_rss_bytes")
             }
-            if "real_genie" in fig
+            if fig.get("real_genie", {}).get("ran")
             else None,
         }
     done = [s for s in ("export", "quantize", "compile") if stages.get(s)]

@@ -51,7 +51,8 @@ class GenieRuntime:
         self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path, prompt: str, **options: Any
     ) -> dict[str, Any]:
         """options: max_new_tokens, engine (None: the config's verify_engine), min_prefix and min_top1
-        (None: verify.Thresholds' defaults), heldout_check (False: VERIFY_HELDOUT=off)."""
+        (None: verify.Thresholds' defaults), heldout_check (False: VERIFY_HELDOUT=off), real_genie
+        (False: VERIFY_REAL_GENIE=off)."""
         from stages.chat import ChatError
         from stages.checkpoint import CheckpointError
         from stages.runner import RunnerError

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +91,8 @@ def _staged_bundle(
 ) -> Path:
     """A folder that is the bundle (its files linked, not copied) with genie_config.json's sampler
     replaced where asked: Genie reads every path relative to its working directory. With dump_dir,
-    Genie writes every call's raw inputs and outputs there (its `debug` section: dump-tensors; it
-    dumps the first 10 calls) and a spec.<graph>.json of each graph's tensors."""
+    Genie writes every call's raw inputs and outputs there (its `debug` section: dump-tensors;
+    <graph>/<call>_in_<tensor>) and a spec.<graph>.json of each graph's tensors."""
     staged = work / "bundle"
     staged.mkdir()
     for f in bundle_dir.iterdir():
@@ -129,7 +129,7 @@ def run_dialog(
                 {
                     "bundle": str(staged),
                     "log": str(log_path.resolve()),
-                    "queries": [q.__dict__ for q in queries],
+                    "queries": [asdict(q) for q in queries],
                 }
             )
         )

@@ -23,6 +23,9 @@ from stages.runtimes.genie.real import GREEDY, DialogRun, Query, RealGenieError,
 
 # Tokens of the short reply the token-limit case asks for.
 LIMIT_TOKENS = 3
+# run_short's bound: at E2B the x86 HTP emulation reads 120-350 s per GB of weights (docs/verification.md),
+# so a prefill call and a decode step over ~5 GB of binaries may take up to an hour.
+SHORT_TIMEOUT_S = 3 * 3600
 
 
 @dataclass
@@ -118,7 +121,8 @@ def run_short(bundle_dir: Path, chat_text: str, chat_ids: list[int], new_tokens:
     """The chat prompt alone, greedy, a few tokens: what fits verify's budget at E2B geometry, where each
     call of the x86 HTP emulation takes minutes. It loads the bundle and times a query."""
     query = [Query(chat_text, new_tokens, reset_before=True)]
-    run = _checked(("chat",), run_dialog(bundle_dir, query, logs / "genie-greedy.log", sampler=GREEDY))
+    run = run_dialog(bundle_dir, query, logs / "genie-greedy.log", sampler=GREEDY, timeout_s=SHORT_TIMEOUT_S)
+    run = _checked(("chat",), run)
     return RealRuns([run], [("chat", chat_ids)], chat_text, new_tokens)
 
 
