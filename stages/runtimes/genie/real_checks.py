@@ -57,9 +57,6 @@ class RealRuns:
         }
 
 
-CASES = ("chat", "long", "token limit", "second query", "own sampler")
-
-
 def long_prompt_ids(encode, bos: int, text: str, over: int) -> tuple[str, list[int]]:
     """`text` repeated until Genie's query (bos, then the text) is longer than `over` tokens."""
     words = text
@@ -155,4 +152,4 @@ def compare(
     return problems
 
 
-__all__ = ["CASES", "RealGenieError", "RealRuns", "compare", "run_cases", "run_short"]
+__all__ = ["RealGenieError", "RealRuns", "compare", "run_cases", "run_short"]

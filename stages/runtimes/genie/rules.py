@@ -11,7 +11,7 @@ def window_overflow(prefix: str, step: int, slots: int, evictable: int) -> str:
     return (
         f"cache group {prefix!r}: a step of {step} tokens overflows its {slots}-slot window by more than "
         f"the {evictable} entries it can evict (Genie's SlidingWindow::processUpdate pops an empty "
-        "recency queue): use a prefill AR no larger than the window"
+        "recency queue): use a prefill AR smaller than the window"
     )
 
 

@@ -9,12 +9,15 @@ with compile's binaries, bos/eos/pad and the sampler with the checkpoint, tokeni
 bundle's tokenizer), and Genie's own validator (libGenie.so) accepts the config. A manifest
 re-signed after an edit therefore still fails, on the field's meaning. The prompt reaches the
 emulator as it reaches Genie: `make run`'s text, bos-token, the tokenizer tokenizer.path names.
-Then the bundle runs under the Genie emulator (stages/runtimes/genie/emulator.py: the ctx-bins on the HTP
-emulation by default, or their compiler inputs on the CPU EP) and transformers runs the same
-checkpoint: greedy tokens, the length of the common prefix, top-1 agreement along transformers'
-greedy path and on held-out text, the emulated logits against the host runner's (the quantized
-graphs with float I/O), and every Genie behaviour emulated go to verify/report.json. Below the
-thresholds (Thresholds; a correct bundle clears them with margin) verify fails and says by how much.
+First the real Genie (QAIRT's libGenie.so, real_checks.py) runs the bundle: its greedy chat answer
+against transformers', its long-prompt answer against the emulator's, and clean stops
+(VERIFY_REAL_GENIE=off skips it). Then the bundle runs under the Genie emulator
+(stages/runtimes/genie/emulator.py: the ctx-bins on the HTP emulation by default, or their compiler
+inputs on the CPU EP) and transformers runs the same checkpoint: greedy tokens, the length of the
+common prefix, top-1 agreement along transformers' greedy path and on held-out text, the emulated
+logits against the host runner's (the quantized graphs with float I/O), and every Genie behaviour
+emulated go to verify/report.json. Below the thresholds (Thresholds; a correct bundle clears them
+with margin) verify fails and says by how much.
 """
 
 from __future__ import annotations
