@@ -47,7 +47,7 @@ def test_sliding_window_group_fills_free_slots_then_overwrites_the_oldest():
 
 def test_sliding_window_group_cannot_take_a_step_larger_than_its_window():
     group = CacheGroup("swa_", "swa_attention_mask", window=4, kv_dim=16)
-    with pytest.raises(EmulatorError, match="prefill AR no larger than the window"):
+    with pytest.raises(EmulatorError, match="prefill AR smaller than the window"):
         group.destinations(6, budget=4)
 
 
