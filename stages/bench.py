@@ -290,6 +290,62 @@ def tiny_quality(workdir: Path, schemes=QUALITY_SCHEMES) -> list[dict[str, Any]]
     return rows
 
 
+def lut_quality(workdir: Path, bits: tuple[int, ...] = (16, 8, 4)) -> list[dict[str, Any]]:
+    """What the per-layer LUT's bits cost on their own: the trained tiny model's float graphs fed
+    the Genie LUTs' rows (embedding 16-bit, per-layer LUT at each width) against the same graphs fed
+    the checkpoint's float embeddings, on quantize's held-out samples. (Quantize's own figures feed
+    the LUTs to both sides, so they cannot see this.)"""
+    import shutil
+
+    from stages.config import load_config
+    from stages.download import run_download
+    from stages.export import run_export
+    from stages.quality import compare_chains
+    from stages.quantize.stage import heldout_samples
+    from stages.results import ExportResult, StageReport
+    from stages.runner import HostRunner
+
+    rows = []
+    ckpt = workdir / "checkpoints" / "tiny"
+    if not ckpt.is_dir():
+        run_download("tiny", "main", ckpt)
+    for b in bits:
+        cfg = load_config("tiny", {"ple_lut_bits": b})
+        shutil.rmtree(output_dir(workdir, "export"), ignore_errors=True)
+        run_export(cfg, workdir, ckpt)
+        export_dir = output_dir(workdir, "export")
+        samples, decode_steps = heldout_samples(cfg, ckpt)
+        exact = HostRunner.from_export(export_dir, luts=False)
+        fed = HostRunner.from_export(export_dir, luts=True)
+        lut = ExportResult(export_dir, StageReport.read(export_dir)).luts["per_layer_embedding"]
+        rows.append(
+            {
+                "ple_lut_bits": b,
+                "lut_bytes": (export_dir / lut["path"]).stat().st_size,
+                **compare_chains(exact, fed, samples, decode_steps),
+            }
+        )
+    return rows
+
+
+def lut_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "",
+        "Per-layer LUT bits alone (tiny trained model, float graphs): the graphs fed the Genie LUTs "
+        "(embedding ufixed16, per-layer LUT at each width) against the same graphs fed the checkpoint's "
+        "float embeddings, held-out text.",
+        "",
+        "| per-layer LUT | top-1 | KL | perplexity exact -> LUT | tiny LUT file |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| ufixed{r['ple_lut_bits']} | {r['top1_agreement']:.3f} | {r['kl_divergence']:.5f} | "
+            f"{r['perplexity_fp']:.3f} -> {r['perplexity_quantized']:.3f} | {r['lut_bytes'] / 1024:.0f} KiB |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def e2b_rounding_costs(schemes=QUALITY_SCHEMES, calibration_rows: int = 1024) -> list[dict[str, Any]]:
     """Each scheme's weight rounding at E2B geometry: one layer of each kind (sliding/full attention,
     6,144/12,288-wide MLP) rounded as quantize rounds it, timed and traced (numpy's allocations), then

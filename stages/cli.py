@@ -507,21 +507,34 @@ def bench_quality(obj: Context, output: Path, command_line: str) -> None:
     import json
     import tempfile
 
-    from stages.bench import GIB, _machine, e2b_rounding_costs, quality_markdown, tiny_quality
+    from stages.bench import (
+        GIB,
+        _machine,
+        e2b_rounding_costs,
+        lut_markdown,
+        lut_quality,
+        quality_markdown,
+        tiny_quality,
+    )
 
     obj.workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".bench-quality-", dir=obj.workdir) as tmp:
         tiny = tiny_quality(Path(tmp))
+    with tempfile.TemporaryDirectory(prefix=".bench-quality-", dir=obj.workdir) as tmp:
+        luts = lut_quality(Path(tmp))
     e2b = e2b_rounding_costs()
     m = _machine()
     machine = f"{m['cpus']}cpu-{round(m['memory_bytes'] / GIB)}gib"
     stem = f"{datetime.date.today().isoformat()}-weight-schemes-{machine}"
     output.mkdir(parents=True, exist_ok=True)
     (output / f"{stem}.json").write_text(
-        json.dumps({"machine": m, "command": command_line, "tiny": tiny, "e2b_rounding": e2b}, indent=2)
+        json.dumps(
+            {"machine": m, "command": command_line, "tiny": tiny, "e2b_rounding": e2b, "ple_lut": luts},
+            indent=2,
+        )
         + "\n"
     )
-    md = quality_markdown(tiny, e2b, command_line)
+    md = quality_markdown(tiny, e2b, command_line) + lut_markdown(luts)
     (output / f"{stem}.md").write_text(md)
     click.echo(md)
     click.echo(f"written: {output / stem}.json, .md")

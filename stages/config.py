@@ -38,7 +38,8 @@ DEFAULT_PRESET = "default"
 BUILTIN_MODELS = ("tiny", "e2b-random")
 COMPILERS = ("local", "aihub")
 PLE_POLICIES = tuple(PLE_POLICY_SCHEMES)
-PLE_LUT_BITS = (8, 16)
+# 4: two entries per byte (Genie reads ufixed4 LUTs, measured; docs/fitting.md).
+PLE_LUT_BITS = (4, 8, 16)
 KV_BITS = ("auto", "8", "16")
 WEIGHT_ROUNDINGS = ("gptq-search", "gptq", "nearest")
 LM_HEAD_BITS = (8, 4)
@@ -130,7 +131,9 @@ class PipelineConfig:
     calibration_samples: int = field(metadata=_meta("quantize", "number of calibration sequences"))
     calibration_tokens: int = field(metadata=_meta("quantize", "tokens per calibration sequence, at most"))
     ple_policy: str = field(metadata=_meta("export", "precision of the in-graph per-layer-embedding paths"))
-    ple_lut_bits: int = field(metadata=_meta("export", "bits per entry of the per-layer embedding LUT"))
+    ple_lut_bits: int = field(
+        metadata=_meta("export", "bits per entry of the per-layer embedding LUT: 4, 8 or 16")
+    )
     kv_bits: str = field(metadata=_meta("quantize", "KV cache bits: auto (8 without 16x16 matmul), 8 or 16"))
     # Mixed precision's knob (quality against bytes read per token and pinned RAM); `make plan`
     # prices it against the SoC's limits and each phone class's budget.

@@ -7,7 +7,8 @@ Genie's LUT sections (`embedding`, `perlayer-embedding`) use the same three fiel
 How Genie moves LUT rows into a graph input (read in Genie's public `qualla` source: the dialog's
 `calculateRequantEncodings`, `m_t2eCallbacks` and `requantEmbedding`; docs/facts.md §3):
 - the LUT's datatype, scale and offset equal the input's: the rows are copied byte for byte;
-- both fixed-point, 8 or 16 bit, same signedness: each value is requantized into the input's encoding;
+- both fixed-point, same signedness: each value is requantized into the input's encoding (a LUT may be
+  4-bit, `ufixed4`, two entries per byte: measured on QAIRT 2.51's Genie, not in the public source);
 - float32 LUT into a float32 input: copied;
 - anything else (in particular a fixed-point LUT into a float input): Genie has no path. Qualcomm's
   own Gemma 4 bundle notes that such a mismatch does not error on the phone, it produces nonsense, so
@@ -25,8 +26,21 @@ if TYPE_CHECKING:  # numpy is imported where arrays are handled: the tools image
     import numpy as np
 
 FLOAT_TYPES = {"float32": "float32", "float16": "float16"}
-FIXED_TYPES = {"ufixed8": "uint8", "ufixed16": "uint16", "sfixed8": "int8", "sfixed16": "int16"}
-BITS = {"ufixed8": 8, "ufixed16": 16, "sfixed8": 8, "sfixed16": 16, "float16": 16, "float32": 32}
+GRAPH_FIXED_TYPES = {"ufixed8": "uint8", "ufixed16": "uint16", "sfixed8": "int8", "sfixed16": "int16"}
+# A LUT-only datatype: QAIRT 2.51's Genie reads a `ufixed4` LUT as two entries per byte, the even entry
+# in the low nibble (measured: tests/integration/test_real_genie.py), and requantizes it into the graph
+# input, which is never 4-bit. The numpy type is that of one unpacked entry.
+PACKED_LUT_TYPES = {"ufixed4": "uint8"}
+FIXED_TYPES = {**GRAPH_FIXED_TYPES, **PACKED_LUT_TYPES}
+BITS = {
+    "ufixed4": 4,
+    "ufixed8": 8,
+    "ufixed16": 16,
+    "sfixed8": 8,
+    "sfixed16": 16,
+    "float16": 16,
+    "float32": 32,
+}
 # ONNX tensor element types (onnx.TensorProto) of quantized graph I/O, by QNN datatype.
 ONNX_ELEM_TYPE = {"ufixed8": 2, "sfixed8": 3, "ufixed16": 4, "sfixed16": 5, "float32": 1, "float16": 10}
 # ONNX tensor element types by their numpy-style names, for the graph audits of quantize and compile.
@@ -43,6 +57,9 @@ ONNX_TYPE_NAMES = {
     22: "int4",
 }
 COPY = "copy"
+# A packed 4-bit LUT into the 8-bit input made for it (`Encoding.graph_input_of_lut`): Genie's
+# requantization arithmetic, exact by construction.
+UNPACK = "unpack"
 REQUANTIZE = "requantize"
 
 
@@ -140,7 +157,9 @@ class Encoding:
     @staticmethod
     def of_io(io: dict[str, Any]) -> Encoding:
         """A graph I/O tensor as compiled/report.json records it (`dtype` a numpy name, `scale`, `offset`)."""
-        datatype = next((k for k, v in {**FIXED_TYPES, **FLOAT_TYPES}.items() if v == io["dtype"]), None)
+        datatype = next(
+            (k for k, v in {**GRAPH_FIXED_TYPES, **FLOAT_TYPES}.items() if v == io["dtype"]), None
+        )
         if datatype is None:
             raise EncodingError(f"dtype {io['dtype']!r} has no QNN datatype")
         if datatype in FLOAT_TYPES:
@@ -170,14 +189,78 @@ class Encoding:
         if not self.is_fixed:
             return np.asarray(x, dtype=self.numpy_dtype)
         info = np.iinfo(self.numpy_dtype)
+        top = info.max if self.bits == 8 * np.dtype(self.numpy_dtype).itemsize else (1 << self.bits) - 1
         q = np.rint(np.asarray(x, dtype=np.float32) / np.float32(self.scale)) - self.offset
-        return np.clip(q, info.min, info.max).astype(self.numpy_dtype)
+        return np.clip(q, info.min, top).astype(self.numpy_dtype)
+
+    def graph_input_of_lut(self) -> Encoding:
+        """The encoding a graph input fed from this LUT gets: the LUT's own, except for a packed 4-bit
+        LUT, whose input is 8-bit at a sixteenth of the scale and sixteen times the offset. Genie's
+        requantization (`feed`) then multiplies each entry by exactly 16 (the scales are float32, so
+        their ratio is exact) and adds exactly 0: lossless despite its truncation, where a ratio like
+        255/15 = 17 computed in floating point could land just under and truncate a step away."""
+        if self.datatype not in PACKED_LUT_TYPES:
+            return self
+        factor = 1 << (8 - self.bits)
+        return Encoding("ufixed8", self.scale / factor, self.offset * factor)
+
+
+def lut_file_bytes(datatype: str, rows: int, size: int) -> int:
+    """The bytes of a LUT file of `rows` x `size` entries (packed types: entries * bits / 8)."""
+    return rows * size * BITS[datatype] // 8
+
+
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """4-bit entries (an even number, flat) into bytes as Genie reads a ufixed4 LUT: the even entry
+    in the low nibble."""
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.uint8).reshape(-1, 2)
+    return (v[:, 0] | (v[:, 1] << 4)).astype(np.uint8)
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """The inverse of `pack_nibbles`, keeping the leading shape: (..., n) bytes -> (..., 2n) entries."""
+    import numpy as np
+
+    b = np.asarray(packed, dtype=np.uint8)
+    return np.stack([b & 0x0F, b >> 4], axis=-1).reshape(*b.shape[:-1], 2 * b.shape[-1])
+
+
+class LutFile:
+    """A Genie LUT file memory-mapped (E2B's per-layer LUT is gigabytes; a prompt reads a few rows):
+    `lut[ids]` gives those rows' raw entries, unpacked where the datatype is packed."""
+
+    def __init__(self, path: Any, datatype: str, size: int) -> None:
+        import numpy as np
+
+        self.path, self.datatype, self.size = path, datatype, size
+        bits = BITS[datatype]
+        if datatype in PACKED_LUT_TYPES and (size * bits) % 8:
+            raise EncodingError(f"{path}: {datatype} rows of {size} entries do not fill whole bytes")
+        row_bytes = size * bits // 8
+        nbytes = path.stat().st_size
+        if nbytes % row_bytes:
+            raise EncodingError(f"{path}: {nbytes} bytes are not rows of {size} {datatype} entries")
+        dtype = np.uint8 if datatype in PACKED_LUT_TYPES else np.dtype(FIXED_TYPES.get(datatype, datatype))
+        self.rows = np.memmap(path, dtype=dtype, mode="r").reshape(nbytes // row_bytes, -1)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, ids: Any) -> np.ndarray:
+        import numpy as np
+
+        rows = np.asarray(self.rows[ids])
+        return unpack_nibbles(rows) if self.datatype in PACKED_LUT_TYPES else rows
 
 
 def feed_mode(lut: Encoding, graph_input: Encoding) -> str | None:
-    """How Genie fills `graph_input` from rows of `lut`: COPY, REQUANTIZE, or None (it cannot)."""
+    """How Genie fills `graph_input` from rows of `lut`: COPY, UNPACK, REQUANTIZE, or None (it cannot)."""
     if lut == graph_input or (not lut.is_fixed and lut.datatype == graph_input.datatype == "float32"):
         return COPY
+    if lut.datatype in PACKED_LUT_TYPES and graph_input == lut.graph_input_of_lut():
+        return UNPACK
     if lut.is_fixed and graph_input.is_fixed and lut.signed == graph_input.signed:
         return REQUANTIZE
     return None

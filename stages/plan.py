@@ -82,7 +82,7 @@ def render_plan(
     if plan.per_layer_lut_4bit_bytes:
         saved = plan.luts["per_layer_embedding"] - plan.per_layer_lut_4bit_bytes
         rows += [
-            ["per_layer_embedding LUT at 4 bits (priced only)", fmt_mib(plan.per_layer_lut_4bit_bytes)],
+            ["per_layer_embedding LUT with ple_lut_bits=4", fmt_mib(plan.per_layer_lut_4bit_bytes)],
             ["pinned with it", fmt_gib(plan.device_bytes - saved)],
         ]
     out += _table(rows, ["what", "bytes"])

@@ -29,6 +29,7 @@ from stages.contract import (
     cache_name,
     rope_name,
 )
+from stages.encoding import LutFile
 from stages.geometry import FULL, SLIDING, Geometry
 from stages.graphs import CALIBRATION_ROLE, qdq_file_name
 
@@ -88,10 +89,6 @@ class LutSpec:
     offset: int
 
     @property
-    def dtype(self) -> type:
-        return np.uint16 if self.bits == 16 else np.uint8
-
-    @property
     def datatype(self) -> str:
         return f"ufixed{self.bits}"
 
@@ -101,10 +98,7 @@ class LutEmbedder:
 
     def __init__(self, geo: Geometry, base: Path, luts: dict[str, LutSpec]):
         self.geo = geo
-        self.tables = {
-            k: np.memmap(base / v.path, dtype=v.dtype, mode="r", shape=(v.rows, v.size))
-            for k, v in luts.items()
-        }
+        self.tables = {k: LutFile(base / v.path, v.datatype, v.size) for k, v in luts.items()}
         self.specs = luts
 
     def _lookup(self, key: str, ids: np.ndarray) -> np.ndarray:

@@ -148,7 +148,7 @@ def quant_settings(
             ]
     for name, enc in lut_input_encodings(luts, graph_tensors).items():
         # The graph reads LUT rows exactly as the LUT stores them (real = (q + offset) * scale), so
-        # Genie can copy rows into the input tensor without requantizing.
+        # Genie can copy rows into the input tensor without requantizing (a 4-bit LUT: an exact x16).
         overrides[name] = [
             {
                 "quant_type": {"ufixed8": QuantType.QUInt8, "ufixed16": QuantType.QUInt16}[enc.datatype],

@@ -194,6 +194,31 @@ def quantize_graphs(
     return result
 
 
+def sample_length(cfg: PipelineConfig) -> int:
+    """Tokens per calibration sample: they must fit the context the graphs were built for (whole
+    prefill chunks); on a twin, whole twin calls (a padded row would widen ranges with values the
+    shipped graphs never compute)."""
+    twin = calibration_kind(cfg)
+    ar = twin.ar if twin else cfg.prefill_ar
+    length = min(cfg.calibration_tokens, cfg.max_context - cfg.max_context % ar)
+    return length - length % ar if twin else length
+
+
+def heldout_samples(cfg: PipelineConfig, checkpoint_dir: Path) -> tuple[list[list[int]], int]:
+    """The held-out token samples quality is measured on, and how many of each run as decode steps."""
+    from stages.calibration import load_texts, token_samples
+    from stages.chat import ChatTokenizer
+    from stages.checkpoint import Checkpoint
+
+    length = sample_length(cfg)
+    tok = ChatTokenizer(checkpoint_dir)
+    bos = Checkpoint(checkpoint_dir).geometry.config.get("bos_token_id", 2)
+    texts = load_texts(cfg, "heldout", None)
+    return token_samples(texts, tok.encode, bos, EVAL_SAMPLES, min(length, 512)), min(
+        DECODE_CALIBRATION_STEPS, length // 2
+    )
+
+
 def _quality(cfg, export_dir: Path, q: QuantizedGraphs, eval_samples, decode_steps) -> dict[str, Any]:
     from stages.runner import HostRunner
 
@@ -284,19 +309,12 @@ def run_quantize(
 
     tok = ChatTokenizer(checkpoint_dir)
     bos = Checkpoint(checkpoint_dir).geometry.config.get("bos_token_id", 2)
-    # A sample must fit the context the graphs were built for (whole prefill chunks); on a twin, whole
-    # twin calls (a padded row would widen ranges with values the shipped graphs never compute).
     twin = calibration_kind(cfg)
     ar = twin.ar if twin else cfg.prefill_ar
-    length = min(cfg.calibration_tokens, cfg.max_context - cfg.max_context % ar)
-    if twin:
-        length -= length % ar
+    length = sample_length(cfg)
     texts = load_texts(cfg, "calibration", calibration_files)
     samples = token_samples(texts, tok.encode, bos, cfg.calibration_samples, length)
-    eval_samples = token_samples(
-        load_texts(cfg, "heldout", None), tok.encode, bos, EVAL_SAMPLES, min(length, 512)
-    )
-    decode_steps = min(DECODE_CALIBRATION_STEPS, length // 2)
+    eval_samples, decode_steps = heldout_samples(cfg, checkpoint_dir)
     inputs = [export_dir / REPORT_NAME] + [export_dir / g["onnx"] for g in exported.graphs]
     # QDQ graphs at the weight bits, plus one float graph's calibration copies at a time.
     graph_bytes = [g["bytes"] for g in exported.graphs]

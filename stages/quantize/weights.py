@@ -539,9 +539,10 @@ def matmul_float_weights(src: Path) -> dict[str, np.ndarray]:
 
 
 def lut_input_encodings(luts: dict[str, dict[str, Any]], graph_tensors: set[str]) -> dict[str, Encoding]:
-    """The encoding each LUT-fed input of a graph must have: its LUT's (export report `luts`)."""
+    """The encoding each LUT-fed input of a graph must have: its LUT's (export report `luts`), or for a
+    4-bit LUT the 8-bit encoding Genie fills exactly from it (`Encoding.graph_input_of_lut`)."""
     return {
-        name: Encoding.of_lut(luts[key])
+        name: Encoding.of_lut(luts[key]).graph_input_of_lut()
         for name, key in LUT_INPUTS.items()
         if key in luts and name in graph_tensors
     }

@@ -119,9 +119,12 @@ def test_luts_are_mapped_not_read_into_memory(bundle, tmp_path):
 def test_the_per_layer_lut_may_be_ufixed4_with_the_even_entry_in_the_low_nibble(
     bundle, tmp_path, low_nibble_first
 ):
-    """The per-layer LUT at 4 bits (one scale and offset over its whole range) answers as at 8 bits on
-    the tiny model; packed the other way round it answers something else: Genie reads the nibbles."""
+    """The per-layer LUT at 4 bits (one scale and offset over its whole range), packed as export packs
+    it, answers as at 8 bits on the tiny model; packed the other way round it answers something else:
+    Genie reads the nibbles in `pack_nibbles`' order."""
     import numpy as np
+
+    from stages.encoding import pack_nibbles
 
     def to_4_bits(dest, section, rows):
         q = section["quant-param"]
@@ -129,9 +132,8 @@ def test_the_per_layer_lut_may_be_ufixed4_with_the_even_entry_in_the_low_nibble(
         scale = (real.max() - real.min()) / 15
         offset = int(round(real.min() / scale))
         q4 = np.clip(np.round(real / scale) - offset, 0, 15).astype(np.uint8)
-        even, odd = q4[0::2], q4[1::2]
-        packed = even | (odd << 4) if low_nibble_first else (even << 4) | odd
-        packed.astype(np.uint8).tofile(dest / "per_layer_embedding_ufixed4.bin")
+        packed = pack_nibbles(q4) if low_nibble_first else pack_nibbles(q4.reshape(-1, 2)[:, ::-1].ravel())
+        packed.tofile(dest / "per_layer_embedding_ufixed4.bin")
         section.update(
             {"lut-path": "per_layer_embedding_ufixed4.bin", "datatype": "ufixed4"},
             **{"quant-param": {"scale": scale, "offset": offset}},
@@ -208,3 +210,35 @@ def test_a_reply_stops_cleanly_at_an_eos_token(bundle, tmp_path):
     run = run_dialog(eos, [Query(text, 8)], tmp_path / "eos.log", GREEDY)
     assert run.statuses == [0]
     assert full.startswith(run.answers[0]) and len(ChatTokenizer(bundle).encode(run.answers[0])) == 3
+
+
+def test_a_4_bit_per_layer_lut_built_end_to_end_answers_as_transformers(bundled, tmp_path):
+    """ple_lut_bits=4 through export, quantize, compile, bundle and verify: the bundle ships a packed
+    ufixed4 per-layer LUT whose 8-bit graph input Genie fills exactly, and the real Genie's greedy
+    answer to the demo prompt is transformers' (held-out agreement is in verify's figures)."""
+    from stages.compile import run_compile
+    from stages.encoding import UNPACK
+    from stages.export import run_export
+    from stages.quantize import run_quantize
+    from stages.results import CompileResult, read_result
+    from stages.runtimes.genie.bundle import _io, lut_feeds, run_bundle
+
+    work = tmp_path / "w"
+    shutil.copytree(bundled / "checkpoints", work / "checkpoints")
+    cfg = load_config("tiny", {"ple_lut_bits": 4})
+    ckpt = work / "checkpoints" / "tiny"
+    for run in (run_export, run_quantize):
+        run(cfg, work, ckpt)
+    run_compile(cfg, work)
+    run_bundle(cfg, work, ckpt)
+    genie = json.loads((work / "genie_bundle" / GENIE_CONFIG).read_text())
+    section = genie["dialog"]["perlayer-embedding"]
+    assert section["datatype"] == "ufixed4"
+    assert (work / "genie_bundle" / section["lut-path"]).stat().st_size * 2 == (
+        (bundled / "genie_bundle" / section["lut-path"].replace("ufixed4", "ufixed8")).stat().st_size
+    )
+    feeds = lut_feeds(genie, _io(read_result(work, "compile", CompileResult)))
+    assert {f["mode"] for f in feeds if f["lut"] == "perlayer-embedding"} == {UNPACK}
+    fig = run_verify(cfg, work, ckpt, PROMPT)["figures"]
+    assert fig["real_genie"]["answers"]["chat"] == fig["transformers_text"]
+    assert all(status >= 0 for status in fig["real_genie"]["statuses"].values())

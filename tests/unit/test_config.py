@@ -61,7 +61,7 @@ def test_none_overrides_keep_the_preset_value():
         ({"compiler": "cloud"}, "compiler", "local, aihub"),
         ({"kv_bits": "16"}, "kv_bits", "auto, 8"),
         ({"ple_policy": "int4"}, "ple_policy", "float16, int16, int8"),
-        ({"ple_lut_bits": 4}, "ple_lut_bits", "8, 16"),
+        ({"ple_lut_bits": 2}, "ple_lut_bits", "4, 8, 16"),
         ({"max_context": "lots"}, "max_context", "integer"),
         ({"model": "not a repo"}, "model", "tiny, e2b-random"),
         ({"colour": "blue"}, "colour", "allowed fields"),

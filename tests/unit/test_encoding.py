@@ -6,11 +6,16 @@ import pytest
 from stages.encoding import (
     COPY,
     REQUANTIZE,
+    UNPACK,
     Encoding,
     EncodingError,
+    LutFile,
     feed,
     feed_mode,
+    lut_file_bytes,
+    pack_nibbles,
     shared_tensor_mismatches,
+    unpack_nibbles,
 )
 
 
@@ -98,3 +103,48 @@ def test_a_tensor_named_by_several_graphs_must_have_one_encoding():
     assert problem.startswith("past_key_0_h0_out has 2 encodings")
     # Outside the cache groups an _in tensor is its own name.
     assert shared_tensor_mismatches(io, ("swa_",)) == []
+
+
+def test_nibbles_pack_the_even_entry_low_and_unpack_back():
+    values = np.array([1, 2, 15, 0, 7, 9], dtype=np.uint8)
+    packed = pack_nibbles(values)
+    assert packed.tolist() == [0x21, 0x0F, 0x97]  # Genie's order, measured: even entry in the low nibble
+    assert unpack_nibbles(packed).tolist() == values.tolist()
+    assert unpack_nibbles(packed.reshape(3, 1)).shape == (3, 2)
+
+
+@pytest.mark.parametrize("scale", [0.517071843, 0.1, 3.0e-5, 7.0])
+@pytest.mark.parametrize("offset", [-7, -15, 0, -3])
+def test_a_4_bit_lut_feeds_its_8_bit_input_exactly_despite_truncation(scale, offset):
+    """Genie truncates what it requantizes; the 8-bit input quantize gives a 4-bit LUT's rows must come
+    out as exactly 16 times each entry, whatever float32 scale the LUT has."""
+    lut = Encoding("ufixed4", float(np.float32(scale)), offset)
+    graph = lut.graph_input_of_lut()
+    assert graph.datatype == "ufixed8" and feed_mode(lut, graph) == UNPACK
+    rows = np.arange(16, dtype=np.uint8).reshape(1, 16)
+    out = feed(rows, lut, graph)
+    assert out.tolist() == (16 * rows).tolist()
+    assert np.array_equal(graph.dequantize(out), lut.dequantize(rows))
+    # any other 8-bit input is a plain (lossy) requantization, which the bundle warns about
+    assert feed_mode(lut, Encoding("ufixed8", graph.scale * 2, graph.offset)) == REQUANTIZE
+
+
+def test_a_4_bit_encoding_quantizes_into_its_sixteen_levels():
+    e = Encoding("ufixed4", 0.5, -8)
+    assert e.quantize(np.array([-100.0, 0.0, 100.0])).tolist() == [0, 8, 15]
+
+
+def test_lut_file_reads_packed_rows_as_entries(tmp_path):
+    entries = np.random.default_rng(0).integers(0, 16, size=(5, 6)).astype(np.uint8)
+    path = tmp_path / "lut.bin"
+    pack_nibbles(entries).tofile(path)
+    assert path.stat().st_size == lut_file_bytes("ufixed4", 5, 6) == 15
+    lut = LutFile(path, "ufixed4", 6)
+    assert len(lut) == 5 and lut[np.array([3, 0])].tolist() == entries[[3, 0]].tolist()
+    wide = np.arange(12, dtype=np.uint16).reshape(3, 4)
+    wide.tofile(tmp_path / "wide.bin")
+    assert LutFile(tmp_path / "wide.bin", "ufixed16", 4)[[2]].tolist() == wide[[2]].tolist()
+    with pytest.raises(EncodingError, match="not rows of 4 ufixed16"):
+        LutFile(path, "ufixed16", 4)
+    with pytest.raises(EncodingError, match="whole bytes"):
+        LutFile(path, "ufixed4", 5)

@@ -89,6 +89,11 @@ def test_ple_table_bytes_match_facts(geo):
     cfg8 = original()
     assert approx(make_plan(geo, cfg16).luts["per_layer_embedding"], 4.70e9)
     assert approx(make_plan(geo, cfg8).luts["per_layer_embedding"], 2.35e9)
+    four = make_plan(geo, original(**{"ple_lut_bits": 4}))
+    assert four.luts["per_layer_embedding"] * 2 == make_plan(geo, cfg8).luts["per_layer_embedding"]
+    # the 4-bit alternative is priced beside a wider LUT, not beside itself
+    assert make_plan(geo, cfg8).per_layer_lut_4bit_bytes == four.luts["per_layer_embedding"]
+    assert four.per_layer_lut_4bit_bytes == 0
 
 
 def test_kv_cache_bytes_match_facts(geo):

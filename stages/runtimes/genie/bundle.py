@@ -35,7 +35,7 @@ from stages.contract import (
     ROPE_PREFIX,
     rope_name,
 )
-from stages.encoding import COPY, Encoding, feed_mode, shared_tensor_mismatches
+from stages.encoding import REQUANTIZE, Encoding, feed_mode, shared_tensor_mismatches
 from stages.geometry import FULL, SLIDING, Geometry
 from stages.pipeline import output_dir
 from stages.report import (
@@ -271,7 +271,7 @@ def schema_errors(value: Any, schema: dict[str, Any], where: str = "") -> list[s
 
 def lut_feeds(genie: dict[str, Any], io: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """How Genie fills each LUT-fed graph input of each graph from the config's LUT
-    (`stages.encoding.feed_mode`): "copy", "requantize", or None (it cannot)."""
+    (`stages.encoding.feed_mode`): "copy", "unpack", "requantize", or None (it cannot)."""
     d = genie["dialog"]
     feeds = []
     for tensor, lut_key in LUT_INPUTS.items():
@@ -492,7 +492,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
         raise BundleError("the rendered configs are wrong:\n  " + "\n  ".join(problems))
     feeds = lut_feeds(genie, io)
     for feed in feeds:
-        if feed["mode"] != COPY:
+        if feed["mode"] == REQUANTIZE:
             # Allowed (Genie requantizes each row it looks up), but not what quantize makes: say so.
             print(
                 f"warning: {feed['graph']}: Genie will requantize the {feed['lut']} LUT "

@@ -90,7 +90,7 @@ from typing import Any
 import numpy as np
 
 from stages.contract import GENIE_LUT_SECTION, INPUTS_EMBEDS, LOGITS, LUT_INPUTS, MASK_NAME
-from stages.encoding import Encoding, feed, feed_mode
+from stages.encoding import Encoding, EncodingError, LutFile, feed, feed_mode
 from stages.geometry import FULL
 from stages.quiet import native_stdout_without
 from stages.results import CompileResult
@@ -669,7 +669,7 @@ class GenieEmulator:
             return int(np.argmax(raw))
         return self._draw(self.logits_encoding.dequantize(raw))
 
-    def _luts(self) -> dict[str, tuple[np.ndarray, Encoding, Encoding]]:
+    def _luts(self) -> dict[str, tuple[LutFile, Encoding, Encoding]]:
         """graph input -> (LUT rows, LUT encoding, input encoding), refused where Genie cannot feed."""
         first = {n: t for g in self.graphs for n, t in g.inputs.items()}
         luts = {}
@@ -690,14 +690,16 @@ class GenieEmulator:
                     f"{section['lut-path']} (dialog.cpp m_t2eCallbacks has no such path)"
                 )
             size = int(section["size"])
-            # Memory-mapped: E2B's per-layer LUT is 2.35 GB and a prompt reads a few rows of it.
-            rows = np.memmap(self.bundle_dir / section["lut-path"], dtype=lut.numpy_dtype, mode="r")
-            if rows.size % size or size != int(np.prod(first[name].shape[2:])):
+            if size != int(np.prod(first[name].shape[2:])):
                 raise EmulatorError(
-                    f"{section['lut-path']}: {rows.size} values are not rows of {key}.size {size} "
-                    f"(the input {name} takes {int(np.prod(first[name].shape[2:]))} per token)"
+                    f"{key}.size is {size}, the input {name} takes {int(np.prod(first[name].shape[2:]))} "
+                    "per token"
                 )
-            luts[name] = (rows.reshape(-1, size), lut, target)
+            try:
+                rows = LutFile(self.bundle_dir / section["lut-path"], lut.datatype, size)
+            except EncodingError as e:
+                raise EmulatorError(str(e)) from None
+            luts[name] = (rows, lut, target)
         if INPUTS_EMBEDS not in luts:
             raise EmulatorError("the binaries take no inputs_embeds; only LUT-fed models are emulated")
         return luts

@@ -32,10 +32,8 @@ from typing import Any
 import numpy as np
 
 from stages.config import PipelineConfig
-from stages.contract import (
-    GENIE_LUT_BYTES,
-    GENIE_LUT_SECTION,
-)
+from stages.contract import GENIE_LUT_SECTION
+from stages.encoding import BITS, lut_file_bytes
 from stages.graphs import qdq_file_name
 from stages.pipeline import output_dir
 from stages.report import REPORT_NAME, STAMP_DIR, StageJob, read_report
@@ -109,11 +107,11 @@ def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: CompileResult,
         if lut is None:
             continue
         path = bundle_dir / lut["lut-path"]
-        want = geo.vocab_size * lut["size"] * GENIE_LUT_BYTES[lut["datatype"]]
+        want = lut_file_bytes(lut["datatype"], geo.vocab_size, lut["size"])
         if path.is_file() and path.stat().st_size != want:
             problems.append(
-                f"{lut['lut-path']}: {path.stat().st_size} bytes, {geo.vocab_size} rows x {lut['size']} x "
-                f"{GENIE_LUT_BYTES[lut['datatype']]} B expected"
+                f"{lut['lut-path']}: {path.stat().st_size} bytes, {want} expected ({geo.vocab_size} rows x "
+                f"{lut['size']} {lut['datatype']} entries)"
             )
     return problems
 
@@ -176,9 +174,11 @@ def bundle_runner(bundle_dir: Path, export_dir: Path, quantized_dir: Path):
         lut = genie.get(genie_key)
         if lut is None:
             continue
-        bits = 8 * GENIE_LUT_BYTES[lut["datatype"]]
+        bits = BITS[lut["datatype"]]
         q = lut["quant-param"]
-        rows = (bundle_dir / lut["lut-path"]).stat().st_size // (lut["size"] * bits // 8)
+        rows = (bundle_dir / lut["lut-path"]).stat().st_size // lut_file_bytes(
+            lut["datatype"], 1, lut["size"]
+        )
         specs[key] = LutSpec(lut["lut-path"], rows, lut["size"], bits, q["scale"], q["offset"])
     runner.embed = LutEmbedder(runner.geo, bundle_dir, specs)
     return runner
