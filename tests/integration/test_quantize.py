@@ -347,30 +347,52 @@ def test_one_chain_pass_calibrates_every_graph_as_graph_by_graph(exported, tmp_p
 
 def test_folded_weights_keep_the_evaluation_figures(sm8450):
     """The quality evaluation folds every weight's DequantizeLinear once at load (issue 15: an hour
-    of E2B evaluation was onnxruntime dequantizing int8 weights on every decode call). The folded
-    weights are the DQ's own floats; what differs is that onnxruntime's default path also fuses the
-    8-bit KV concatenations into QLinearConcat (a requantizing concat), which the folded session runs
-    as plain Q/DQ semantics. The greedy choices must not move and the logits only in the last bits."""
+    of E2B evaluation was onnxruntime dequantizing int8 weights on every decode call).
+
+    What must hold is in the name: the figures quantize reports (held-out top-1, KL, perplexity) are
+    the same either way. The logits cannot be bit-equal, and their difference is not a constant: the
+    two sessions run one QDQ graph by different kernels (onnxruntime's default path fuses Q/DQ pairs
+    into integer QLinear* kernels; the folded one runs float MatMuls on the DQ's own floats), so an
+    activation that lands on a rounding boundary goes to different neighbouring steps, and threaded
+    reductions make which ones vary run to run (seen: 2 % to 20 % of rows touched, up to 2.4e-4 of
+    the logits' range). A real regression (a weight folded with a lost scale or zero point, a wrong
+    tensor) moves every row and the figures by orders of magnitude more."""
     import numpy as np
 
-    from stages.calibration import load_texts
-    from stages.chat import ChatTokenizer
-    from stages.quality import chain_logits
+    from stages.quality import chain_logits, compare_chains
+    from stages.quantize.stage import heldout_samples
 
     work, _ = sm8450
     cfg = load_config("tiny")
-    tok = ChatTokenizer(work / "checkpoints" / "tiny")
-    samples = [tok.encode(t)[:40] for t in load_texts(cfg, "heldout", None)[:2]]
-    got = {}
-    for fold in (False, True):
-        runner = HostRunner.from_export(
+    samples, decode_steps = heldout_samples(cfg, work / "checkpoints" / "tiny")
+    fp = HostRunner.from_export(work / "exported", luts=True)
+    runners = {
+        fold: HostRunner.from_export(
             work / "exported", luts=True, graph_dir=work / "quantized", fold_weights=fold
         )
-        got[fold] = chain_logits(runner, samples, decode_steps=16)
-    for plain, folded in zip(got[False], got[True], strict=True):
-        assert plain.shape == folded.shape
-        assert (plain.argmax(-1) == folded.argmax(-1)).all()
-        assert np.abs(plain - folded).max() <= 2e-4 * (plain.max() - plain.min())
+        for fold in (False, True)
+    }
+    figures = {fold: compare_chains(fp, r, samples, decode_steps) for fold, r in runners.items()}
+    plain, folded = figures[False], figures[True]
+    tokens = plain["tokens"]
+    assert folded["tokens"] == tokens > 400
+    assert abs(plain["top1_agreement"] - folded["top1_agreement"]) <= 2 / tokens  # two near-ties at most
+    assert abs(plain["kl_divergence"] - folded["kl_divergence"]) <= 0.05 * plain["kl_divergence"] + 1e-4
+    assert (
+        abs(plain["perplexity_quantized"] - folded["perplexity_quantized"])
+        <= 2e-3 * plain["perplexity_quantized"]
+    )
+    # Row by row: a greedy choice may differ only where its margin is within what rounding moved.
+    for a, b in zip(
+        *(chain_logits(runners[f], samples[:2], decode_steps) for f in (False, True)), strict=True
+    ):
+        assert a.shape == b.shape
+        moved = np.abs(a - b).max(-1)
+        top2 = np.sort(a, -1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 2 * moved
+        assert (a.argmax(-1) == b.argmax(-1))[clear].all()
+        # a few activation steps, not a different computation (4x the largest difference seen)
+        assert moved.max() <= 1e-3 * (a.max() - a.min())
 
 
 def test_calibration_reads_external_data_graphs_from_its_copies(exported, tmp_path):
