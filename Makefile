@@ -47,7 +47,8 @@ DOCKER_ARGS   ?=
 # ---- how and where things run ----
 RUNNER        ?= docker
 WORKDIR       ?= .
-BASE_IMAGE    ?= python:3.11-slim-bookworm
+# auto: the official Python image where it can be had, else one built from Debian packages (debootstrap).
+BASE_IMAGE    ?= auto
 WHEELHOUSE    ?= $(HOME)/.cache/g4v69/wheelhouse
 VENV          ?= .venv
 PYTHON        ?= python3
@@ -58,9 +59,15 @@ TORCH_SOURCE  ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl),--find-link
 IMAGES        := export quant quant-rocm compile tools
 # The debootstrap base: BASE_IMAGE=debootstrap selects it; its tag follows its build script.
 DEBOOTSTRAP_BASE := g4v69-base:bookworm-$(shell sha256sum docker/base/build-base.sh | cut -c1-12)
+OFFICIAL_BASE    := python:3.11-slim-bookworm
 ifeq ($(BASE_IMAGE),debootstrap)
   BASE_REF := $(DEBOOTSTRAP_BASE)
   BASE_DEP := base-image
+else ifeq ($(BASE_IMAGE),auto)
+  # Resolved at each use (recursive `=`): base-auto may pull the official base or build the
+  # debootstrap one before the image recipes that read it run.
+  BASE_REF  = $(shell docker/base-ref.sh '$(OFFICIAL_BASE)' '$(DEBOOTSTRAP_BASE)')
+  BASE_DEP := base-auto
 else
   BASE_REF := $(BASE_IMAGE)
   BASE_DEP :=
@@ -149,7 +156,7 @@ verify_AFTER     = @echo "bundle: $(ABS_WORKDIR)/genie_bundle"
 unexport PROMPT
 export G4V69_PROMPT = $(value PROMPT)
 
-.PHONY: help images wheelhouse base-image lock $(STAGES) \
+.PHONY: help setup images wheelhouse base-image base-auto lock $(STAGES) \
   push run generate demo bench bench-quality plan doctor image-tag test test-unit test-container lint docs clean venv g4v69 FORCE \
   $(addprefix image-,$(IMAGES))
 
@@ -165,7 +172,7 @@ help: ## list the targets and variables
 	@echo "  NUM_SHARDS COMPILER=local|aihub (aihub: QAI_HUB_API_TOKEN) QAIRT_VERSION PROMPT FROM=DIR (import a snapshot) RUNNER=docker|local WORKDIR=$(WORKDIR)"
 	@echo "  QUANT_ARGS (e.g. --compare-ple-policies) QUANT_IMAGE=quant|quant-rocm DOCKER_ARGS"
 	@echo "  VERIFY_ENGINE=htp|replay|cpu VERIFY_MIN_PREFIX VERIFY_MIN_TOP1 (verify's pass thresholds against transformers) VERIFY_HELDOUT=on|off VERIFY_REAL_GENIE=on|off"
-	@echo "  BASE_IMAGE=$(BASE_IMAGE) (or 'debootstrap') WHEELHOUSE=$(WHEELHOUSE)"
+	@echo "  BASE_IMAGE=$(BASE_IMAGE) (auto, debootstrap or an image) WHEELHOUSE=$(WHEELHOUSE)"
 
 # ---- pipeline ----
 # Each stage's rule comes from its row of the stage table: its report depends on its upstream stages'
@@ -241,8 +248,15 @@ image-tag: ## print the tag of IMAGE's image (for scripts): make -s image-tag IM
 	@docker/image-tag.sh '$(IMAGE)' '$(BASE_REF)'
 
 # ---- images, wheelhouse, venv ----
+setup: ## a fresh host: install Docker and debootstrap where missing (root or sudo), start dockerd, build images and .venv
+	@docker/host-setup.sh tools
+	@docker/host-setup.sh engine
+	@$(MAKE) --no-print-directory images venv
 base-image: ## build the Debian base image with debootstrap (for hosts without a registry)
 	@docker/base/build-base.sh '$(DEBOOTSTRAP_BASE)' >&2
+base-auto:
+	@docker info >/dev/null 2>&1 || { echo "error: no Docker engine answers; run \`make setup\` (installs Docker and debootstrap where missing, starts dockerd), or use RUNNER=local (make venv)" >&2; exit 1; }
+	@docker/ensure-base.sh '$(OFFICIAL_BASE)' '$(DEBOOTSTRAP_BASE)'
 
 lock: ## regenerate docker/*/requirements.lock with uv (needs network)
 	$(if $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl),TORCH_FIND_LINKS=/opt/wheels) docker/lock.sh
@@ -254,7 +268,7 @@ wheelhouse: $(BASE_DEP) ## download every locked wheel (and the tools image's .d
 images: $(addprefix image-,$(IMAGES)) ## build every stage image offline from the wheelhouse
 
 $(addprefix image-,$(IMAGES)): image-%: $(BASE_DEP)
-	@docker info >/dev/null 2>&1 || { echo "error: no Docker engine answers; start dockerd, or use RUNNER=local (make venv)" >&2; exit 1; }
+	@docker info >/dev/null 2>&1 || { echo "error: no Docker engine answers; run \`make setup\` (installs Docker and debootstrap where missing, starts dockerd), or use RUNNER=local (make venv)" >&2; exit 1; }
 	@if ! docker image inspect "$$(docker/image-tag.sh $* '$(BASE_REF)')" >/dev/null 2>&1; then \
 	  $(MAKE) --no-print-directory wheelhouse >&2; fi
 	@docker/build-image.sh $* '$(BASE_REF)' '$(WHEELHOUSE)' >&2

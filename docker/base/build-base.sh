@@ -13,7 +13,7 @@ if docker image inspect "$image" >/dev/null 2>&1; then
   exit 0
 fi
 command -v debootstrap >/dev/null || {
-  echo "error: debootstrap not found; install it (apt-get install debootstrap) or use BASE_IMAGE=python:3.11-slim-bookworm" >&2
+  echo "error: debootstrap not found; run \`make setup\` (or apt-get install debootstrap), or use BASE_IMAGE=python:3.11-slim-bookworm where a registry answers" >&2
   exit 1
 }
 root=$(mktemp -d /tmp/g4v69-base.XXXXXX)
