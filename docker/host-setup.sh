@@ -8,10 +8,16 @@
 set -euo pipefail
 what=${1:?usage: host-setup.sh tools|engine [--dry-run]}
 dry_run=${2:-}
+# as_root WHY HOW COMMAND...: run COMMAND as root (directly or by sudo -n); with neither, say WHY
+# could not be done and HOW the user does it, and stop.
 as_root() {
+  local why=$1 how=$2; shift 2
   if [ "$(id -u)" -eq 0 ]; then "$@"
   elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then sudo "$@"
-  else return 99
+  else
+    echo "error: $why and no root or password-less sudo to do it; run:" >&2
+    echo "  $how" >&2
+    exit 1
   fi
 }
 case "$what" in
@@ -25,12 +31,8 @@ tools)
   pkgs=$(printf '%s\n' "${need[@]}" | sort -u | xargs)
   [ "$dry_run" = --dry-run ] && { echo "would run: apt-get install -y $pkgs"; exit 0; }
   rc=0
-  as_root sh -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $pkgs >/dev/null" || rc=$?
-  if [ "$rc" -eq 99 ]; then
-    echo "error: missing host tools ($pkgs) and no root or password-less sudo to install them; run:" >&2
-    echo "  sudo apt-get install -y $pkgs" >&2
-    exit 1
-  fi
+  as_root "missing host tools ($pkgs)" "sudo apt-get install -y $pkgs" \
+    sh -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $pkgs >/dev/null" || rc=$?
   [ "$rc" -eq 0 ] || { echo "error: apt-get install $pkgs failed (exit $rc)" >&2; exit 1; }
   echo "host tools: installed $pkgs"
   ;;
@@ -40,13 +42,8 @@ engine)
     exit 0
   fi
   log=${TMPDIR:-/tmp}/g4v69-dockerd.log
-  rc=0
-  as_root sh -c "nohup dockerd >'$log' 2>&1 &" || rc=$?
-  if [ "$rc" -eq 99 ]; then
-    echo "error: no Docker engine answers and no root or password-less sudo to start one; run:" >&2
-    echo "  sudo systemctl start docker   (or: sudo dockerd &; add yourself to the docker group)" >&2
-    exit 1
-  fi
+  as_root "no Docker engine answers" "sudo systemctl start docker   (or: sudo dockerd &; add yourself to the docker group)" \
+    sh -c "nohup dockerd >'$log' 2>&1 &"
   for _ in $(seq 1 60); do
     docker info >/dev/null 2>&1 && { echo "dockerd up: $(docker version --format '{{.Server.Version}}')"; exit 0; }
     sleep 1

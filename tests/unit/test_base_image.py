@@ -80,7 +80,7 @@ def test_host_setup_names_the_one_install_command_without_root(tmp_path):
     if os.getuid() == 0:
         pytest.skip("as root the script installs instead of printing the command")
     r = run("host-setup.sh", tmp_path, fake_docker(tmp_path, [], pull_ok=False), "tools")
-    assert r.returncode == 1 and "sudo apt-get install -y debootstrap docker.io" in r.stderr
+    assert r.returncode == 1 and "  sudo apt-get install -y debootstrap docker.io" in r.stderr
 
 
 def test_host_setup_leaves_a_running_engine_alone(tmp_path):
