@@ -155,6 +155,12 @@ verify_AFTER     = @echo "bundle: $(ABS_WORKDIR)/genie_bundle"
 # PROMPT itself is not exported: make would expand it (and run a `$(shell ...)` in it) to do so.
 unexport PROMPT
 export G4V69_PROMPT = $(value PROMPT)
+# Progress bars: a container has no terminal (docker run -i), so every stage is told whether the
+# host's stderr is one: bars on a terminal, a plain line per 30 s in a log (stages/progress.py).
+ifeq ($(origin G4V69_PROGRESS),undefined)
+  G4V69_PROGRESS := $(if $(shell [ -t 2 ] && echo tty),bars,lines)
+endif
+export G4V69_PROGRESS
 
 .PHONY: help setup images wheelhouse base-image base-auto lock $(STAGES) \
   push run generate demo bench bench-quality plan doctor image-tag test test-unit test-container lint docs clean venv g4v69 FORCE \

@@ -259,7 +259,7 @@ class _JobRunner:
         return job
 
     def run(self, specs: list[_JobSpec], title: str) -> None:
-        from tqdm import tqdm
+        from stages.progress import tqdm
 
         api = self.api
         open_jobs: dict[str, Any] = {}

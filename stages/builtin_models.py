@@ -228,7 +228,8 @@ def write_random_checkpoint(
     Tensors are made one file at a time, so memory holds at most one file's tensors.
     """
     from safetensors.torch import save_file
-    from tqdm import tqdm
+
+    from stages.progress import tqdm
 
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)

@@ -465,7 +465,7 @@ def run_compile(
     cfg: PipelineConfig, workdir: Path, jobs: int | None = None, aihub_module: Any = None
 ) -> dict[str, Any]:
     """The whole stage; returns its report. Bad input raises CompileError and leaves nothing."""
-    from tqdm import tqdm
+    from stages.progress import tqdm
 
     soc = cfg.soc_info
     quantized, sources = _load_quantized(cfg, workdir)

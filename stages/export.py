@@ -153,7 +153,7 @@ def _clipped_range(sample: np.ndarray, lo: float, hi: float, bits: int) -> tuple
 
 def write_lut(ckpt: Checkpoint, name: str, multiplier: float, bits: int, path: Path) -> LutSpec:
     """Quantize a checkpoint table (times `multiplier`) to one global ufixed encoding, streaming."""
-    from tqdm import tqdm
+    from stages.progress import tqdm
 
     rows, size = next(t.shape for t in ckpt.geometry.all_tensors() if t.name == name)
     blocks = range(0, rows, LUT_BLOCK_ROWS)
@@ -191,10 +191,9 @@ def _relative(path: Path, root: Path) -> str:
 def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
     """The whole stage; returns the report. Raises ExportError (or CheckpointError) on bad input,
     leaving no output folder behind."""
-    from tqdm import tqdm
-
     from stages.fitting import make_plan, over_context_limit, part_layers
     from stages.graphs import PartitionError
+    from stages.progress import tqdm
 
     if read_report(checkpoint_dir) is None:
         raise ExportError(

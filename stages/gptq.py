@@ -284,8 +284,7 @@ def collect_hessians(
 ) -> dict[str, Hessian]:
     """One prefill pass of the float chain over the samples; the Hessian of every watched weight's
     MatMul input (the runner's prefill graphs: the calibration twin's where the stage uses one)."""
-    from tqdm import tqdm
-
+    from stages.progress import tqdm
     from stages.runner import session_options
 
     collector = HessianCollector(watched)

@@ -132,9 +132,8 @@ def chain_logits(runner, samples: list[list[int]], decode_steps: int) -> list[np
     """Teacher-forced logits for every position but the last of each sample: its beginning through
     the prefill graphs, the rest as decode steps. All prefills run first and their cache states are
     kept, so prefill and decode graphs (each a full copy of the weights) are never loaded together."""
-    from tqdm import tqdm
-
     from stages.calibration import decode_split
+    from stages.progress import tqdm
 
     use_decode = "decode" in runner.graphs
     splits = [decode_split(s, decode_steps if use_decode else 0) for s in samples]

@@ -90,8 +90,7 @@ def measure(runner, dequantized: dict[str, Any], samples: list[list[int]], scrat
     cache.
     `dequantized` maps weight name -> a function returning its rounded float values (made one at a
     time: E2B's weights as float are 7 GB)."""
-    from tqdm import tqdm
-
+    from stages.progress import tqdm
     from stages.runner import session_options
 
     overrides: dict[str, np.ndarray] = {}

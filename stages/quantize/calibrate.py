@@ -56,7 +56,7 @@ class _FeedsReader:
     """An onnxruntime CalibrationDataReader over a stream of feeds."""
 
     def __init__(self, feeds: Iterator[dict[str, np.ndarray]], expected: int, desc: str = "calibrate"):
-        from tqdm import tqdm
+        from stages.progress import tqdm
 
         self.feeds = feeds
         self.expected = expected  # onnxruntime's strided calibrators ask for len()
@@ -98,7 +98,7 @@ class CalibratedRanges:
 def calibrated_ranges(runner, samples: list[list[int]]) -> CalibratedRanges:
     """The KV and cross-part ranges from a prefill pass of its own (the stage takes them from its
     calibration pass instead: RangeCollector)."""
-    from tqdm import tqdm
+    from stages.progress import tqdm
 
     collector = RangeCollector()
     runner.observer = collector.observe
@@ -495,9 +495,9 @@ def calibrate_kind(
     graphs real decode steps after a prefill of each sample's beginning (whose caches are kept; the
     prefill graphs are released before the decode graphs load, as a full copy of the weights each)."""
     import onnx
-    from tqdm import tqdm
 
     from stages.calibration import calls, decode_split
+    from stages.progress import tqdm
 
     expected = calls(samples, role, runner.prefill_ar, decode_steps)
     states: list[tuple[Any, list[int]]] = []

@@ -72,8 +72,8 @@ def quantize_graphs(
     import shutil
 
     import onnx
-    from tqdm import tqdm
 
+    from stages.progress import tqdm
     from stages.runner import HostRunner
 
     runner = HostRunner.from_export(export_dir, luts=True)

@@ -261,7 +261,7 @@ class WeightRounder:
     def round_all(self, graphs: list[Path], keep_hessians_in: Path | None = None) -> None:
         """Round every 4-bit weight of the graphs, then drop the Hessians (E2B's take ~4 GB), or, with
         `keep_hessians_in`, move them to files there, mapped back on use (for `search_scales`)."""
-        from tqdm import tqdm
+        from stages.progress import tqdm
 
         names = {src: _4bit_weights(self.cfg, src) for src in graphs}
         with tqdm(total=sum(map(len, names.values())), desc="round 4-bit weights", unit="weight") as bar:
@@ -279,7 +279,7 @@ class WeightRounder:
         output error (`int4_channel(search=True)`); after `choose_int8`, so a mixed precision
         searches only the weights it leaves at 4 bits. Its measured cost stays that of the first
         rounding (what the choice ranked). Drops the Hessians when done."""
-        from tqdm import tqdm
+        from stages.progress import tqdm
 
         t0 = time.perf_counter()
         names = {

@@ -450,7 +450,7 @@ def _human(n: float) -> str:
 def push_bundle(bundle_dir: Path, sdk_root: Path | None, serial: str | None = None, adb: str = "adb") -> dict:
     """Put the bundle and the QAIRT runtime into /data/local/tmp/<name> on the phone, resuming a push
     that was cut short; returns figures about what was sent."""
-    from tqdm import tqdm
+    from stages.progress import tqdm
 
     started = time.monotonic()
     bundle_dir = Path(bundle_dir)

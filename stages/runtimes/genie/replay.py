@@ -141,7 +141,7 @@ def replay(
 ) -> ReplayResult:
     """Run the recorded calls through the ctx-bins on the HTP emulation (required ones always, the
     others while budget_s lasts) and compare every output with the CPU engine's."""
-    from tqdm import tqdm
+    from stages.progress import tqdm
 
     htp = HtpEngine(bundle_dir, *emulator.htp_device())
     calls: list[dict[str, Any]] = []
