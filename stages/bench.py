@@ -357,8 +357,9 @@ def e2b_rounding_costs(schemes=QUALITY_SCHEMES, calibration_rows: int = 1024) ->
     import numpy as np
 
     from stages.config import load_config
+    from stages.fitting import FULL_HESSIAN_MAX_WIDTH, hessian_bytes
     from stages.geometry import LINEAR, e2b_geometry
-    from stages.gptq import FULL_HESSIAN_MAX_WIDTH, Hessian
+    from stages.gptq import Hessian
     from stages.quantize.weights import WeightRounder
 
     geo = e2b_geometry()
@@ -379,7 +380,7 @@ def e2b_rounding_costs(schemes=QUALITY_SCHEMES, calibration_rows: int = 1024) ->
         # The scale search rounds only the weights left at 4 bits: which ones is decided by E2B's
         # measured costs, so each kind's search time is counted at the 4-bit share of its parameters.
         search_share = (1 - scheme.int8_share) if cfg.weight_rounding == "gptq-search" else 0.0
-        total_s, search_s, peak, hessian_bytes = 0.0, 0.0, 0, 0
+        total_s, search_s, peak = 0.0, 0.0, 0
         for (_, _, _), layers in sorted(kinds.items()):
             tensors = [t for t in geo.layers[layers[0]].tensors if t.kind == LINEAR]
             hessians: dict[int, Hessian] = {}
@@ -390,11 +391,6 @@ def e2b_rounding_costs(schemes=QUALITY_SCHEMES, calibration_rows: int = 1024) ->
                     shape = (width,) if width > FULL_HESSIAN_MAX_WIDTH else (width, width)
                     hessians[width] = Hessian(np.zeros(shape, np.float32))
                     hessians[width].add(x)
-            # One Hessian per distinct MatMul input: q/k/v share one, gate/up another.
-            inputs = {(t.shape[1], t.name.rsplit(".", 2)[0].rsplit(".", 1)[-1]) for t in tensors}
-            hessian_bytes += len(layers) * sum(
-                (w * 4 if w > FULL_HESSIAN_MAX_WIDTH else w * w * 4) for w, _ in inputs if gptq
-            )
             tracemalloc.start()
             rounder = WeightRounder(cfg, {t.name: hessians[t.shape[1]] for t in tensors if gptq})
             for t in tensors:
@@ -416,7 +412,7 @@ def e2b_rounding_costs(schemes=QUALITY_SCHEMES, calibration_rows: int = 1024) ->
                 "rounding_s": total_s,
                 "search_s": search_s,
                 "peak_bytes": peak,
-                "hessian_bytes": hessian_bytes,
+                "hessian_bytes": hessian_bytes(geo, cfg),
             }
         )
     return rows

@@ -358,6 +358,24 @@ def ttft_prompts(cfg: PipelineConfig) -> list[int]:
     return sorted({*TTFT_PROMPTS, cfg.ttft_prompt_tokens})
 
 
+# GPTQ keeps a full Hessian (float32, in x in) of each MatMul input up to this width and only its
+# diagonal above: E2B's 12,288-wide MLP down projections would take 604 MB each (stages/gptq.py).
+FULL_HESSIAN_MAX_WIDTH = 8192
+
+
+def hessian_bytes(geo: Geometry, cfg: PipelineConfig) -> int:
+    """What quantize keeps of the calibration Hessians (memory-mapped files in its output folder while
+    it runs): one per distinct MatMul input of each decoder layer (q/k/v share one, gate/up another),
+    where 4-bit weights are rounded by GPTQ; nothing for 8-bit or round-to-nearest."""
+    if cfg.decoder_scheme.bits != 4 or cfg.weight_rounding == "nearest":
+        return 0
+    total = 0
+    for layer in geo.layers:
+        inputs = {(t.shape[1], t.name.rsplit(".", 2)[0]) for t in layer.tensors if t.kind == LINEAR}
+        total += sum(w * 4 if w > FULL_HESSIAN_MAX_WIDTH else w * w * 4 for w, _ in inputs)
+    return total
+
+
 def job_disk_bytes(
     geo: Geometry,
     cfg: PipelineConfig,
@@ -367,14 +385,15 @@ def job_disk_bytes(
     in_graphs: int,
 ) -> int:
     """Rough disk a full run writes to WORKDIR: checkpoint (bf16), float32 export (with the calibration
-    twins), quantized graphs (QDQ ONNX and their weights), binaries, bundle."""
+    twins, which stay: quantize reads them again on a rerun), quantized graphs (QDQ ONNX and their
+    weights) and the GPTQ Hessians quantize holds on disk while it runs, binaries, bundle."""
     from stages.graphs import calibration_kind
 
     checkpoint = geo.total_params * 2
     exported = in_graphs * 4 + sum(luts.values())
     if calibration_kind(cfg):  # the calibration twins: one more float copy of every part
         exported += 4 * in_graphs
-    quantized = sum(p.bytes for p in parts) * 2
+    quantized = sum(p.bytes for p in parts) * 2 + hessian_bytes(geo, cfg)
     compiled = sum(g.bytes for g in graphs)
     bundle = compiled + sum(luts.values())
     return checkpoint + exported + quantized + compiled + bundle

@@ -27,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from stages.fitting import FULL_HESSIAN_MAX_WIDTH
+
 DAMPENING = 0.01
 BLOCK_ROWS = 128
-FULL_HESSIAN_MAX_WIDTH = 8192
 
 
 @dataclass
