@@ -162,7 +162,7 @@ ifeq ($(origin G4V69_PROGRESS),undefined)
 endif
 export G4V69_PROGRESS
 
-.PHONY: help setup images wheelhouse base-image base-auto lock $(STAGES) \
+.PHONY: help setup expected-time images wheelhouse base-image base-auto lock $(STAGES) \
   push run generate demo bench bench-quality plan doctor image-tag test test-unit test-container lint docs clean venv g4v69 FORCE \
   $(addprefix image-,$(IMAGES))
 
@@ -196,6 +196,12 @@ $(call stage_report,$(1)): $(foreach u,$(call stage_upstream,$(1)),$(call stage_
 $(1): $(call stage_report,$(1))
 $(if $(filter yes,$(call stage_field,$(1),6)),$(call stage_stamp,$(1)): ;)
 endef
+# `make bundle` first says how long the job should take here and its peak memory (from the committed
+# bench runs, scaled to this machine's cores), unless the bundle is already built. Read before the stage
+# rules, so it runs before them.
+bundle: expected-time
+expected-time: | $(call RUNNER_DEP,tools)
+	@$(call g4v69,tools) expected-time --unless-bundled
 $(foreach s,$(STAGES),$(eval $(call stage_rule,$(s))))
 
 # push/run in the tools image talk to the phone through the host's adb server (`adb start-server` on the

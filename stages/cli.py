@@ -32,6 +32,7 @@ from stages.quiet import quiet_libraries
 from stages.report import (
     DiskSpaceError,
     IntegrityError,
+    read_report,
     write_json_atomic,
 )
 from stages.results import StageReport
@@ -426,6 +427,50 @@ def show_config(obj: Context, as_json: bool, get: str | None) -> None:
             click.echo(f"{k} = {v!r}")
 
 
+def _plan_geometry(obj: Context, checkpoint_config: Path | None):
+    """The geometry the plan prices: the given config.json, else the downloaded checkpoint's, else the
+    built-in one of the model."""
+    if checkpoint_config is None:
+        downloaded = obj.checkpoint_dir() / "config.json"
+        if downloaded.is_file():
+            checkpoint_config = downloaded
+    if checkpoint_config is not None:
+        return load_geometry(checkpoint_config)
+    geo = builtin_geometry(obj.config.model)
+    if geo is None:
+        raise UserError(
+            f"no geometry for model {obj.config.model!r}: run `make download MODEL={obj.config.model}` "
+            "first or pass --checkpoint-config PATH/config.json"
+        )
+    return geo
+
+
+def _expected_time(cfg, total_params: int) -> str:
+    import os
+
+    from stages.needs import expected_stages, render_expected
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return "\n".join(render_expected(expected_stages(cfg, total_params, cpus), cfg.model))
+
+
+@main.command(name="expected-time")
+@click.option("--unless-bundled", is_flag=True, help="print nothing when WORKDIR holds a finished bundle")
+@click.pass_obj
+def expected_time(obj: Context, unless_bundled: bool) -> None:
+    """How long each stage of this config should take on this machine, and its peak memory (from the
+    closest committed bench run, scaled to this machine's cores); `make bundle` prints it first."""
+    from stages.fitting import make_plan
+
+    if unless_bundled and read_report(output_dir(obj.workdir, "bundle")) is not None:
+        return
+    try:
+        geo = _plan_geometry(obj, None)
+    except GeometryError as e:
+        raise UserError(str(e)) from None
+    click.echo(_expected_time(obj.config, make_plan(geo, obj.config).params["total"]))
+
+
 @main.command()
 @click.option(
     "--checkpoint-config",
@@ -447,19 +492,7 @@ def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Pa
 
     cfg = obj.config
     try:
-        if checkpoint_config is None:
-            downloaded = obj.checkpoint_dir() / "config.json"
-            if downloaded.is_file():
-                checkpoint_config = downloaded
-        if checkpoint_config is not None:
-            geo = load_geometry(checkpoint_config)
-        else:
-            geo = builtin_geometry(cfg.model)
-            if geo is None:
-                raise UserError(
-                    f"no geometry for model {cfg.model!r}: run `make download MODEL={cfg.model}` "
-                    "first or pass --checkpoint-config PATH/config.json"
-                )
+        geo = _plan_geometry(obj, checkpoint_config)
         result = make_plan(geo, cfg)
         layouts = make_layouts(geo, cfg)
         refused = get_runtime(cfg.runtime).layout_problems(cfg, geo)
@@ -476,6 +509,8 @@ def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Pa
         output.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(output, data)
     click.echo(json.dumps(data, indent=2) if as_json else render_plan(result, layouts, cfg))
+    if not as_json:
+        click.echo("\n" + _expected_time(cfg, result.params["total"]))
     try:
         rule_layout(layouts, cfg)
     except LayoutRuleError as e:
