@@ -1,0 +1,68 @@
+"""stages/grid.py: reading the integer grid a quantization-aware-trained weight sits on, from its bf16
+values alone."""
+
+import numpy as np
+import pytest
+import torch
+
+from stages.grid import find_grid
+
+
+def as_bf16(x: np.ndarray) -> np.ndarray:
+    """What a checkpoint stores: the value rounded to bfloat16, read back as float32."""
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def on_grid(
+    out: int, inp: int, group: int, bits: int, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    half = 1 << (bits - 1)
+    q = rng.integers(-half, half, size=(out, inp))
+    q[:, 0] = -half  # each group uses its extreme somewhere, as trained grids do
+    scale = rng.uniform(0.002, 0.05, size=(out, inp // group)).astype(np.float32)
+    w = (q.reshape(out, -1, group) * scale[:, :, None]).reshape(out, inp)
+    return as_bf16(w), q, scale
+
+
+@pytest.mark.parametrize("group, bits", [(32, 4), (64, 4), (128, 2), (None, 4), (None, 2)])
+def test_the_grid_is_found_from_the_data_integers_exactly(group, bits):
+    inp = 256
+    w, q, scale = on_grid(48, inp, group or inp, bits)
+    if group:  # the first value of every group at the extreme, so no group hides a coarser level
+        q.reshape(48, -1, group)[:, :, 0] = -(1 << (bits - 1))
+        w = as_bf16((q.reshape(48, -1, group) * scale[:, :, None]).reshape(48, inp))
+    grid = find_grid(w)
+    assert grid is not None
+    assert (grid.bits, grid.group) == (bits, group or inp)
+    assert np.array_equal(grid.q, q)  # every integer, despite bf16 rounding
+    assert np.allclose(grid.scale, scale, rtol=2**-8)
+    assert grid.max_error < 0.05 and grid.rel_rms_error < 2**-8
+
+
+def test_a_group_grid_is_not_taken_for_a_coarser_one():
+    w, _, _ = on_grid(16, 128, 32, 4)
+    assert find_grid(w).group == 32  # per-channel and 64-wide groups would need other scales
+
+
+@pytest.mark.parametrize("kind", ["normal", "bf16 normal", "int8 grid"])
+def test_weights_on_no_low_bit_grid_are_refused(kind):
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(1536, 2048)).astype(np.float32) * 0.02
+    if kind == "bf16 normal":
+        w = as_bf16(w)
+    if kind == "int8 grid":  # 8-bit exact, which is not looked for
+        s = np.abs(w).max(axis=1, keepdims=True) / 127
+        w = np.rint(w / s) * s
+    assert find_grid(w) is None
+
+
+def test_zero_rows_and_a_single_level_are_on_the_grid():
+    w, q, _ = on_grid(8, 64, 64, 4)
+    w[3] = 0.0
+    grid = find_grid(w)
+    assert (
+        grid is not None
+        and (grid.q[3] == 0).all()
+        and np.array_equal(np.delete(grid.q, 3, 0), np.delete(q, 3, 0))
+    )
