@@ -49,9 +49,13 @@ def audit(
     analysis: GraphAnalysis,
     lut_inputs: dict[str, Encoding],
     int8_weights: frozenset[str] = frozenset(),
+    kept_grids: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Final types in a QDQ graph: KV operands, the PLE paths, float tensors left behind, and the
-    LUT-fed inputs (`lut_input_encodings`), each of which must be read with exactly its LUT's encoding."""
+    LUT-fed inputs (`lut_input_encodings`), each of which must be read with exactly its LUT's encoding.
+    `kept_grids` (weight name -> its RoundedWeight) are weights on their checkpoint's own grid: each
+    must hold exactly those integers, in blocks of that grid's group where it has block scales."""
+    kept_grids = kept_grids or {}
     import onnx
 
     graph = qmodel.graph
@@ -105,6 +109,9 @@ def audit(
             and inits[scales.input[0]].data_type == 2
         )
         want_block = lpbq_block(want, inits[dq.input[0]].dims[0]) if want.blockwise else 0
+        kept = kept_grids.get(name)
+        if kept is not None and kept.block_scales is not None:
+            want_block = kept.q.shape[0] // kept.block_scales.shape[0]
         ok = found == want.onnx_type and block == want_block and uint8_scales == want.blockwise
         entry = {
             "weight": name,
@@ -123,6 +130,15 @@ def audit(
         elif want.blockwise:
             entry["block_scales"], bad = _block_scale_problems(scales, inits)
             problems += [f"{name}: {p}" for p in bad]
+        if ok and kept is not None:
+            from onnx import numpy_helper
+
+            stored = numpy_helper.to_array(inits[dq.input[0]]).astype(np.int8)
+            entry["checkpoint_grid"] = "kept"
+            if not np.array_equal(stored, kept.q):
+                problems.append(
+                    f"{name}: {int((stored != kept.q).sum())} integers differ from its checkpoint's grid"
+                )
     ple_names = set(analysis.ple_nodes)
 
     def origin(t: str) -> Any:

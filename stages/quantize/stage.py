@@ -172,7 +172,12 @@ def quantize_graphs(
                     # Weights stay where they are: an external-data graph keeps its references.
                     onnx.save(qmodel, str(dest))
                 checked = audit(
-                    cfg, qmodel, analysis, lut_inputs, rounder.int8_weights if rounder else frozenset()
+                    cfg,
+                    qmodel,
+                    analysis,
+                    lut_inputs,
+                    rounder.int8_weights if rounder else frozenset(),
+                    {n: rounder.rounded[n] for n in rounder.kept} if rounder else None,
                 )
                 result.problems += [f"{spec.name}: {p}" for p in checked["problems"]]
                 result.paths[spec.name] = dest

@@ -17,6 +17,7 @@ from stages.contract import (
 )
 from stages.encoding import Encoding
 from stages.gptq import Hessian, best_scales, gptq
+from stages.grid import Grid, find_grid
 from stages.precision import DECODER_ROLE, LM_HEAD_ROLE, LPBQ_BLOCK_SCALE_MAX, PLE_ROLE
 from stages.quantize.analysis import (
     PLE_WEIGHT_SUFFIXES,
@@ -214,6 +215,65 @@ def int4_lpbq(
     return q, q_scale, channel
 
 
+# A kept LPBQ grid's blocks must be this many input rows or more: QNN's HTP emulation agrees with LPBQ
+# MatMuls from blocks of 16 rows (lpbq_block).
+MIN_KEPT_LPBQ_BLOCK = 16
+
+
+def lpbq_from_group_scales(scales: np.ndarray, energy: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """LPBQ's form of given per-group scales (ng, out): a float scale per column times a 4-bit integer
+    (1..LPBQ_BLOCK_SCALE_MAX) per group, chosen to minimise the groups' scale error weighted by each
+    group's integer energy (sum of q^2, so the error is the weight error the integers then carry).
+    Per column: each candidate channel scale (the largest group scale over 16, times a ratio), the
+    nearest integers under it, then the channel scale refitted by least squares and the integers again;
+    the least error wins. Returns (integers uint8 (ng, out), channel scale (out,), relative residual
+    sqrt(sum E (S k - s)^2 / sum E s^2))."""
+    s = scales.astype(np.float64)
+    e = np.maximum(energy.astype(np.float64), 1e-30)
+    top = LPBQ_BLOCK_SCALE_MAX
+    peak = np.where(s.max(axis=0) > 0, s.max(axis=0), 1.0)
+    best_err = np.full(s.shape[1], np.inf)
+    best_k = np.full(s.shape, top, np.int64)
+    best_c = peak / top
+    for ratio in np.linspace(0.5, 1.0, 51):
+        c = peak * ratio / top
+        for _ in range(2):
+            k = np.clip(np.rint(s / c), 1, top)
+            c = (e * k * s).sum(axis=0) / (e * k * k).sum(axis=0)
+        k = np.clip(np.rint(s / c), 1, top)
+        err = (e * (c * k - s) ** 2).sum(axis=0)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_k = np.where(better, k, best_k)
+        best_c = np.where(better, c, best_c)
+    residual = float(np.sqrt(best_err.sum() / (e * s * s).sum()))
+    return best_k.astype(np.uint8), best_c.astype(np.float32), residual
+
+
+def kept_grid(grid: Grid, scheme, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float] | str:
+    """A checkpoint's grid in the weight's 4-bit scheme, keeping every integer: (q (in, out), scale per
+    column, block scales or None, relative scale residual), or why it cannot be kept. int4 per channel
+    takes a per-channel grid as it is (bit-exact); LPBQ takes any grid at its group size (a per-channel
+    one at the scheme's block), its group scales re-expressed as channel scale x 4-bit integer."""
+    q = np.ascontiguousarray(grid.q.T)
+    if grid.bits > 4:
+        return f"an int{grid.bits} grid does not fit 4 bits"
+    if not scheme.blockwise:
+        if not grid.per_channel:
+            return (
+                f"a grid of {grid.group}-input groups needs block scales; int4 per channel cannot keep it "
+                "(precision w4a16-lpbq can)"
+            )
+        return q, grid.scale[:, 0].astype(np.float32), None, 0.0
+    block = lpbq_block(scheme, rows) if grid.per_channel else grid.group
+    if block < MIN_KEPT_LPBQ_BLOCK or rows % block:
+        return f"LPBQ blocks of {block} rows are not ones v69 runs (at least {MIN_KEPT_LPBQ_BLOCK})"
+    per_group = np.repeat(grid.scale, grid.group // block, axis=1) if grid.per_channel else grid.scale
+    energy = (grid.q.astype(np.float64) ** 2).reshape(grid.q.shape[0], -1, block).sum(axis=2)
+    k, channel, residual = lpbq_from_group_scales(per_group.T, energy.T)
+    return q, channel, k, residual
+
+
 def int8_channel_error(w: np.ndarray) -> np.ndarray:
     """What onnxruntime's int8 per-channel weight (symmetric, max-abs / 127) minus the float weight is."""
     absmax = np.abs(w).max(axis=0)
@@ -253,6 +313,14 @@ class WeightRounder:
         self.int8_weights: frozenset[str] = frozenset()
         self.searched: list[str] = []  # weights whose scales search_scales chose
         self.search_s = 0.0
+        # Weights found on a checkpoint's own low-bit grid (quantization-aware training): what was
+        # found, and whether the scheme kept it or why not (`kept_grid`).
+        self.grids: dict[str, dict[str, Any]] = {}
+
+    @property
+    def kept(self) -> frozenset[str]:
+        """The weights whose checkpoint grid is kept: their integers are the checkpoint's."""
+        return frozenset(n for n, g in self.grids.items() if g["kept"])
 
     @property
     def searches(self) -> bool:
@@ -286,7 +354,9 @@ class WeightRounder:
             src: [
                 n
                 for n in _4bit_weights(self.cfg, src)
-                if n not in self.int8_weights and not expected_scheme(self.cfg, n).blockwise
+                if n not in self.int8_weights
+                and n not in self.kept
+                and not expected_scheme(self.cfg, n).blockwise
             ]
             for src in graphs
         }
@@ -318,7 +388,15 @@ class WeightRounder:
         from stages.gptq import output_error
 
         scheme, hessian = expected_scheme(self.cfg, name), self.hessians.get(name)
-        if scheme.blockwise:
+        kept = self._keep_grid(name, w, scheme) if not search else None
+        if kept is not None:
+            q, scale, block_scales = kept
+            dequantized = (
+                q * scale
+                if block_scales is None
+                else q * np.repeat(block_scales * scale, q.shape[0] // block_scales.shape[0], axis=0)
+            )
+        elif scheme.blockwise:
             block = lpbq_block(scheme, w.shape[0])
             if w.shape[0] % block:
                 raise QuantizeError(
@@ -341,11 +419,38 @@ class WeightRounder:
         )
         return self.rounded[name]
 
+    def _keep_grid(
+        self, name: str, w: np.ndarray, scheme
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+        """The weight's checkpoint grid in its scheme, where it sits on one and the scheme can keep it
+        (recorded in `grids` either way); None to round it as any other weight."""
+        grid = find_grid(w.T)
+        if grid is None:
+            return None
+        kept = kept_grid(grid, scheme, w.shape[0])
+        entry = {
+            "found": grid.describe(),
+            "bits": grid.bits,
+            "group": grid.group,
+            "kept": not isinstance(kept, str),
+        }
+        self.grids[name] = entry
+        if isinstance(kept, str):
+            entry["why_not"] = kept
+            return None
+        q, scale, block_scales, residual = kept
+        entry["scale_residual"] = round(residual, 6)
+        return q, scale, block_scales
+
     def choose_int8(self, share: float) -> frozenset[str]:
         """The decoder weights kept at int8: the most measured cost (next-token KL at 4 bits; where
         not measured, the MatMul's own output error) removed per extra byte first, while their
-        parameters stay within `share` of the decoder's (the precision's memory price)."""
-        decoder = {n: r for n, r in self.rounded.items() if weight_role(n) == DECODER_ROLE}
+        parameters stay within `share` of the decoder's (the precision's memory price). A weight on
+        its checkpoint's kept grid stays at 4 bits: there its integers are exact, and int8 would
+        round them onto another grid."""
+        decoder = {
+            n: r for n, r in self.rounded.items() if weight_role(n) == DECODER_ROLE and n not in self.kept
+        }
         budget = share * sum(r.params for r in decoder.values())
 
         def gain(n: str) -> float:
@@ -372,6 +477,12 @@ class WeightRounder:
             if any(r.kl_int4 is not None for r in self.rounded.values())
             else "local",
             "scales_searched": sorted(self.searched),
+            "checkpoint_grids": {
+                "kept": len(self.kept),
+                "found": len(self.grids),
+                "of": len(self.rounded),
+                "weights": dict(sorted(self.grids.items())),
+            },
             "scale_search_s": round(self.search_s, 1),
             "weights": {
                 n: {
@@ -454,8 +565,8 @@ def apply_weight_scheme(
             replace_init(s_name, numpy_helper.from_array(scale))
             replace_init(zp_name, _int4_tensor(zp_name, np.zeros(scale.shape, np.int8)))
         else:
-            block = lpbq_block(scheme, w.shape[0])
             q, q_scale, channel = done.q, done.block_scales, done.scale
+            block = q.shape[0] // q_scale.shape[0]  # the scheme's, or a kept grid's group
             # The pattern onnxruntime-qnn's LPBQ fusion takes: UINT8 block scales (nb, out) under a
             # per-channel float scale (axis 1, zero points 0) feeding the INT4 weight's blockwise
             # DequantizeLinear (axis 0, block_size, zero points 0).
