@@ -9,7 +9,10 @@ along the input (the whole input = one scale per output channel, then 2048 down 
 scale is its largest magnitude over k for the smallest k in 1..MAX_LEVEL that puts every value of the
 group within GRID_TOLERANCE of an integer multiple; the largest group size at which every group fits
 is the grid. Its integer range gives the bit width (symmetric: [-2^(b-1), 2^(b-1) - 1]). Each
-group's scale is then refitted by least squares over its integers.
+group's scale is then refitted by least squares over its integers. Q4_0 sets a group's scale to its
+largest-magnitude value over -8, so the scale is negative wherever that value is positive: such a
+group's integers are [-7, 8] under a positive step, and the grid holds them negated, [-8, 7], under a
+negative scale, as Q4_0 does.
 
 bf16 keeps 8 significant bits, so a stored value s*q is off by up to |q| * 2^-9 steps, and the scale
 read from a group's largest value by as much again: under 0.04 of a step for |q| <= 8. GRID_TOLERANCE
@@ -101,11 +104,18 @@ def find_grid(w: np.ndarray) -> Grid | None:
         peak = np.abs(groups).max(axis=1)
         step = np.where(peak > 0, peak / level, 1.0)
         q = np.rint(groups / step[:, None])
-        # symmetric b bits hold [-2^(b-1), 2^(b-1) - 1]
-        span = max(-int(q.min()), int(q.max()) + 1)
-        if span > 8:
+        # Symmetric b bits hold [-2^(b-1), 2^(b-1) - 1]; a group reaching +2^(b-1) (Q4_0's negative
+        # scale) holds its integers negated under a negative scale.
+        reach = int(np.maximum(-q.min(axis=1), q.max(axis=1)).max())
+        if reach > 8:
             continue
-        bits = 2 if span <= 2 else 4
+        half = 2 if reach <= 2 else 8
+        negative = q.max(axis=1) > half - 1
+        q[negative] *= -1
+        step = np.where(negative, -step, step)
+        if q.min() < -half or q.max() > half - 1:
+            continue  # a group spanning -2^(b-1) .. +2^(b-1): no b-bit grid
+        bits = 2 if half == 2 else 4
         # Least-squares scale over the integers (the max-based one carries its value's bf16 rounding).
         denom = (q * q).sum(axis=1)
         scale = np.where(denom > 0, (groups * q).sum(axis=1) / np.where(denom > 0, denom, 1), step)

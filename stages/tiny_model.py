@@ -12,6 +12,12 @@ deterministic script that made the committed fixture:
    of the train part with AdamW on one thread (thread count changes float reductions).
 3. The weights, as bfloat16, in `stages/data/tiny-trained.safetensors` (about 0.6 MB) beside a JSON
    with the loss curve and the held-out loss; `g4v69 download --model tiny` writes them.
+
+`python -m stages.tiny_model --qat channel` (or `group32`) makes the quantization-aware-trained twins
+(`stages/data/tiny-qat-<kind>.safetensors`, about a minute each): the trained weights fine-tuned with
+every decoder-layer linear weight fake-quantized (straight-through) on a symmetric int4 grid as
+Google's Q4_0 QAT checkpoints have it, one scale per output channel or per group of 32 inputs, then
+set exactly on that grid and stored as bfloat16: the `-qat-q4_0-unquantized` layout at toy size.
 """
 
 from __future__ import annotations
@@ -33,6 +39,14 @@ DATA_DIR = Path(__file__).parent / "data"
 CORPUS_DIR = DATA_DIR / "corpus"
 FIXTURE = DATA_DIR / "tiny-trained.safetensors"
 FIXTURE_REPORT = DATA_DIR / "tiny-trained.json"
+# The QAT twins: group size of the int4 grid (None: one scale per output channel) by kind.
+QAT_GROUPS: dict[str, int | None] = {"channel": None, "group32": 32}
+
+
+def qat_fixture(kind: str) -> Path:
+    return DATA_DIR / f"tiny-qat-{kind}.safetensors"
+
+
 CORPUS_PARTS = ("train", "calibration", "heldout")
 
 # Modules whose docstrings make the corpus, in this order; every 10th (offset 3) goes to calibration,
@@ -79,13 +93,105 @@ def encode(text: str) -> list[int]:
     return [BYTE_OFFSET + b for b in text.encode("utf-8")]
 
 
-def load_fixture() -> dict[str, Any]:
-    """The trained tiny weights (names relative to the language model), bfloat16 torch tensors."""
+def load_fixture(qat: str | None = None) -> dict[str, Any]:
+    """The trained tiny weights (names relative to the language model), bfloat16 torch tensors; with
+    `qat` (a QAT_GROUPS kind) its quantization-aware-trained twin."""
     from safetensors.torch import load_file
 
-    if not FIXTURE.is_file():
-        raise FileNotFoundError(f"{FIXTURE} is missing; run `python -m stages.tiny_model` to make it")
-    return load_file(str(FIXTURE))
+    path = FIXTURE if qat is None else qat_fixture(qat)
+    if not path.is_file():
+        how = "" if qat is None else f" --qat {qat}"
+        raise FileNotFoundError(f"{path} is missing; run `python -m stages.tiny_model{how}` to make it")
+    return load_file(str(path))
+
+
+def q4_0(w: Any, group: int | None) -> Any:
+    """`w` (out, in) on Q4_0's grid: per group of `group` inputs (None: the whole row), the value of
+    largest magnitude m sets the scale d = m / -8, and each weight becomes d * clamp(round(w / d), -8, 7)."""
+    import torch
+
+    out, inp = w.shape
+    g = w.reshape(out, -1, group or inp)
+    idx = g.abs().argmax(dim=-1, keepdim=True)
+    d = torch.gather(g, -1, idx) / -8.0
+    d = torch.where(d == 0, torch.ones_like(d), d)
+    return (torch.clamp(torch.round(g / d), -8, 7) * d).reshape(out, inp)
+
+
+def qat_weight_names(geo) -> list[str]:
+    """The weights a QAT checkpoint has on its grid: every decoder layer's linear weight."""
+    from stages.geometry import LINEAR
+
+    return [t.name for layer in geo.layers for t in layer.tensors if t.kind == LINEAR]
+
+
+def train_qat(kind: str, steps: int = 300, seed: int = 0, batch: int = 16, seq: int = 128, lr: float = 1e-3):
+    """Fine-tune the trained tiny weights with the QAT grid of `kind` fake-quantized in the forward
+    pass (straight-through gradients), then set every such weight on its grid; returns weights (bf16)
+    and figures (held-out loss of the float start, of it rounded onto the grid, and of the QAT result)."""
+    import torch
+    from torch.nn.utils import parametrize
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    group = QAT_GROUPS[kind]
+
+    class FakeQuant(torch.nn.Module):
+        def forward(self, w):
+            return w + (q4_0(w, group) - w).detach()
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(seed)
+    geo = geometry_from_config(TINY_TEXT_CONFIG)
+    text = {k: v for k, v in geo.config.items() if k != "model_type"}
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**text, attn_implementation="eager"))
+    start = {"model." + k: v.float() for k, v in load_fixture().items()}
+    assert model.load_state_dict(start, strict=False).missing_keys == ["lm_head.weight"]
+    model.tie_weights()
+    names = qat_weight_names(geo)
+    modules = dict(model.named_modules())
+    owners = [modules["model." + n.removesuffix(".weight")] for n in names]
+    train_ids, heldout_ids = encode(read_corpus("train")), encode(read_corpus("heldout"))
+    model.eval()
+    float_loss = heldout_loss(model, heldout_ids, seq)
+    for m in owners:
+        parametrize.register_parametrization(m, "weight", FakeQuant())
+    rounded_loss = heldout_loss(model, heldout_ids, seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(seed + 1)
+    model.train()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+        x = _windows(train_ids, batch, seq, gen)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    train_s = time.perf_counter() - t0
+    model.eval()
+    for m in owners:  # the weights become their grid values
+        parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+    qat_loss = heldout_loss(model, heldout_ids, seq)
+    state = model.state_dict()
+    weights = {t.name: state["model." + t.name].to(torch.bfloat16).contiguous() for t in geo.all_tensors()}
+    figures = {
+        "kind": kind,
+        "grid": "symmetric int4, Q4_0 (d = max / -8), "
+        + ("per output channel" if group is None else f"groups of {group} inputs"),
+        "weights_on_grid": len(names),
+        "steps": steps,
+        "lr": lr,
+        "seed": seed,
+        "train_s": round(train_s, 1),
+        "heldout_nats_per_byte_float": round(float_loss, 4),
+        "heldout_nats_per_byte_rounded_onto_grid": round(rounded_loss, 4),
+        "heldout_nats_per_byte_qat": round(qat_loss, 4),
+        "torch": torch.__version__,
+    }
+    return {"weights": weights, "figures": figures}
 
 
 def _windows(ids: list[int], batch: int, seq: int, gen) -> Any:
@@ -184,12 +290,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--qat", choices=sorted(QAT_GROUPS), help="make a QAT twin of the trained fixture instead"
+    )
+    ap.add_argument(
         "--rebuild-corpus",
         action="store_true",
         help="extract the corpus from this Python's standard library again (docstrings differ a little "
         "between Python builds and import states, so the committed corpus is the reference)",
     )
     args = ap.parse_args(argv)
+    if args.qat:
+        result = train_qat(args.qat, seed=args.seed)
+        dest = qat_fixture(args.qat)
+        save_file(result["weights"], str(dest), metadata={"format": "pt"})
+        dest.chmod(0o644)
+        dest.with_suffix(".json").write_text(json.dumps(result["figures"], indent=2) + "\n")
+        print(json.dumps(result["figures"], indent=2))
+        return
     if args.rebuild_corpus or not CORPUS_DIR.is_dir():
         CORPUS_DIR.mkdir(parents=True, exist_ok=True)
         for part, text in build_corpus().items():

@@ -250,28 +250,38 @@ def lpbq_from_group_scales(scales: np.ndarray, energy: np.ndarray) -> tuple[np.n
     return best_k.astype(np.uint8), best_c.astype(np.float32), residual
 
 
-def kept_grid(grid: Grid, scheme, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float] | str:
-    """A checkpoint's grid in the weight's 4-bit scheme, keeping every integer: (q (in, out), scale per
-    column, block scales or None, relative scale residual), or why it cannot be kept. int4 per channel
-    takes a per-channel grid as it is (bit-exact); LPBQ takes any grid at its group size (a per-channel
-    one at the scheme's block), its group scales re-expressed as channel scale x 4-bit integer."""
-    q = np.ascontiguousarray(grid.q.T)
+def kept_grid(
+    grid: Grid, scheme, rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float, int] | str:
+    """A checkpoint's grid in the weight's 4-bit scheme, keeping its integers: (q (in, out), scale per
+    column, block scales or None, relative scale residual, integers clipped), or why it cannot be kept.
+    int4 per channel takes a per-channel grid as it is; LPBQ takes any grid at its group size (a
+    per-channel one at the scheme's block), its group scales re-expressed as channel scale x 4-bit
+    integer. Our int4 weights carry positive scales, so a group under a negative scale (Q4_0's, where
+    its largest value is positive) keeps its integers negated, and the one that reaches +8 there is
+    clipped to +7: one step off on one value of such a group, counted."""
     if grid.bits > 4:
         return f"an int{grid.bits} grid does not fit 4 bits"
-    if not scheme.blockwise:
-        if not grid.per_channel:
-            return (
-                f"a grid of {grid.group}-input groups needs block scales; int4 per channel cannot keep it "
-                "(precision w4a16-lpbq can)"
-            )
-        return q, grid.scale[:, 0].astype(np.float32), None, 0.0
-    block = lpbq_block(scheme, rows) if grid.per_channel else grid.group
-    if block < MIN_KEPT_LPBQ_BLOCK or rows % block:
+    if not scheme.blockwise and not grid.per_channel:
+        return (
+            f"a grid of {grid.group}-input groups needs block scales; int4 per channel cannot keep it "
+            "(precision w4a16-lpbq can)"
+        )
+    block = lpbq_block(scheme, rows) if grid.per_channel and scheme.blockwise else grid.group
+    if scheme.blockwise and (block < MIN_KEPT_LPBQ_BLOCK or rows % block):
         return f"LPBQ blocks of {block} rows are not ones v69 runs (at least {MIN_KEPT_LPBQ_BLOCK})"
-    per_group = np.repeat(grid.scale, grid.group // block, axis=1) if grid.per_channel else grid.scale
-    energy = (grid.q.astype(np.float64) ** 2).reshape(grid.q.shape[0], -1, block).sum(axis=2)
-    k, channel, residual = lpbq_from_group_scales(per_group.T, energy.T)
-    return q, channel, k, residual
+    out = grid.q.shape[0]
+    sign = np.where(grid.scale < 0, -1, 1).astype(np.int16)
+    signed = grid.q.reshape(out, -1, grid.group).astype(np.int16) * sign[:, :, None]
+    clipped = int((signed > 7).sum())
+    q = np.clip(signed, -8, 7).astype(np.int8).reshape(out, -1)
+    magnitude = np.abs(grid.scale).astype(np.float32)
+    if not scheme.blockwise:
+        return np.ascontiguousarray(q.T), magnitude[:, 0], None, 0.0, clipped
+    per_block = np.repeat(magnitude, grid.group // block, axis=1) if grid.per_channel else magnitude
+    energy = (q.astype(np.float64) ** 2).reshape(out, -1, block).sum(axis=2)
+    k, channel, residual = lpbq_from_group_scales(per_block.T, energy.T)
+    return np.ascontiguousarray(q.T), channel, k, residual, clipped
 
 
 def int8_channel_error(w: np.ndarray) -> np.ndarray:
@@ -438,8 +448,8 @@ class WeightRounder:
         if isinstance(kept, str):
             entry["why_not"] = kept
             return None
-        q, scale, block_scales, residual = kept
-        entry["scale_residual"] = round(residual, 6)
+        q, scale, block_scales, residual, clipped = kept
+        entry.update(scale_residual=round(residual, 6), clipped=clipped)
         return q, scale, block_scales
 
     def choose_int8(self, share: float) -> frozenset[str]:

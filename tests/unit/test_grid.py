@@ -117,3 +117,22 @@ def test_mixed_precision_never_moves_a_kept_grid_to_int8():
     rounder.round_weight(NAME, np.ascontiguousarray(on.T))
     rounder.round_weight("layers.1.mlp.down_proj.weight", np.ascontiguousarray(off.T))
     assert rounder.choose_int8(1.0) == {"layers.1.mlp.down_proj.weight"}
+
+
+def test_q4_0s_negative_scales_are_read_and_kept_with_their_plus_8s_clipped():
+    """Q4_0 (llama.cpp, Google's QAT q4_0) sets d = largest-magnitude value / -8: where that value is
+    positive the scale is negative and the group's integers, under a positive step, reach +8."""
+    from stages.tiny_model import q4_0
+
+    rng = np.random.default_rng(5)
+    w = as_bf16(q4_0(torch.from_numpy(rng.normal(size=(32, 64)).astype(np.float32)), None).numpy())
+    grid = find_grid(w)
+    assert grid is not None and grid.per_channel and grid.bits == 4
+    negative = grid.scale[:, 0] < 0
+    assert 0 < negative.sum() < 32  # both signs occur
+    assert np.allclose(grid.dequantized(), w, rtol=2**-7, atol=0)
+    rounder = _rounder("w4a16")
+    rounder.round_weight(NAME, np.ascontiguousarray(w.T))
+    # the values at +8 steps (the largest of each such channel, and any other that rounds there)
+    plus_8 = int((grid.q[negative] == -8).sum())
+    assert rounder.grids[NAME]["clipped"] == plus_8 and negative.sum() <= plus_8 < 2 * negative.sum()
