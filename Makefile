@@ -241,8 +241,10 @@ bench: ## E2B-size bench: every stage to verify, then ci/bench-results/<date>-<m
 	@$(call g4v69,tools) --model $(BENCH_MODEL) --workdir '$(BENCH_WORKDIR)' bench-report \
 	  --output '$(BENCH_RESULTS)' --command 'make bench BENCH_MODEL=$(BENCH_MODEL) $(BENCH_CALIBRATION)'
 
-bench-quality: | $(call RUNNER_DEP,quant) ## weight schemes side by side: tiny-model quality, E2B rounding cost
-	@$(call g4v69,quant) --workdir '$(BENCH_WORKDIR)' bench-quality --output '$(BENCH_RESULTS)'
+# In the export image: the bench downloads and exports the tiny models (torch, transformers) as well as
+# quantizing them.
+bench-quality: | $(call RUNNER_DEP,export) ## weight schemes, LUT bits and QAT checkpoints side by side: tiny-model quality, E2B rounding cost
+	@$(call g4v69,export) --workdir '$(BENCH_WORKDIR)' bench-quality --output '$(BENCH_RESULTS)'
 
 plan: | $(call RUNNER_DEP,tools) ## print the memory/size/throughput plan of the config
 	@$(call g4v69,tools) plan

@@ -290,6 +290,123 @@ def tiny_quality(workdir: Path, schemes=QUALITY_SCHEMES) -> list[dict[str, Any]]
     return rows
 
 
+# The QAT rows of bench-quality: (label, QAT kind of the tiny fixture or None for the plain trained
+# model, config overrides). Each QAT checkpoint is quantized keeping its grid and ignoring it (GPTQ
+# as for any checkpoint), beside today's default precision on the model that was not trained for it.
+QAT_ROWS: tuple[tuple[str, str | None, dict[str, Any]], ...] = (
+    ("QAT per channel, grid kept (w4a16-mixed)", "channel", {"precision": "w4a16-mixed"}),
+    ("QAT per channel, GPTQ (w4a16)", "channel", {"precision": "w4a16", "checkpoint_grid": "ignore"}),
+    (
+        "QAT per channel, GPTQ (w4a16-mixed)",
+        "channel",
+        {"precision": "w4a16-mixed", "checkpoint_grid": "ignore"},
+    ),
+    ("QAT groups of 32, grid kept (w4a16-lpbq)", "group32", {"precision": "w4a16-lpbq"}),
+    (
+        "QAT groups of 32, GPTQ (w4a16-lpbq)",
+        "group32",
+        {"precision": "w4a16-lpbq", "checkpoint_grid": "ignore"},
+    ),
+    ("not QAT, GPTQ (w4a16)", None, {"precision": "w4a16"}),
+    ("not QAT, today's default (w4a16-mixed)", None, {"precision": "w4a16-mixed"}),
+)
+
+
+def qat_quality(workdir: Path, rows=QAT_ROWS) -> list[dict[str, Any]]:
+    """Each QAT_ROWS row through download, export and quantize of the tiny model: held-out quality of
+    the quantized graphs against that checkpoint's own float graphs, how many weights kept their grid,
+    and the int8 share. A QAT checkpoint is written by transformers' save_pretrained (bf16, the
+    `-qat-q4_0-unquantized` layout at toy size) and imported as a user imports a folder."""
+    import shutil
+
+    from stages.config import load_config
+    from stages.download import run_download
+    from stages.export import run_export
+    from stages.quantize import run_quantize
+    from stages.results import QuantizeResult, require_result
+
+    out = []
+    for label, kind, overrides in rows:
+        model = "tiny" if kind is None else f"tiny-qat-{kind}"
+        ckpt = workdir / "checkpoints" / model
+        if not ckpt.is_dir():
+            if kind is None:
+                run_download("tiny", "main", ckpt)
+            else:
+                src = workdir / f"{model}-transformers"
+                save_qat_checkpoint(src, kind)
+                run_download(model, "main", ckpt, from_dir=src)
+        cfg = load_config("tiny", {"model": model, **overrides})
+        for stage in ("export", "quantize"):
+            shutil.rmtree(output_dir(workdir, stage), ignore_errors=True)
+        run_export(cfg, workdir, ckpt)
+        run_quantize(cfg, workdir, ckpt)
+        quantized = require_result(workdir, "quantize", QuantizeResult, RuntimeError)
+        weights = quantized.report.figures.get("weights", {})
+        grids = weights.get("checkpoint_grids", {})
+        q = quantized.quality[cfg.ple_policy]
+        out.append(
+            {
+                "row": label,
+                "overrides": overrides,
+                "top1_agreement": q["top1_agreement"],
+                "kl_divergence": q["kl_divergence"],
+                "perplexity_fp": q["perplexity_fp"],
+                "perplexity_quantized": q["perplexity_quantized"],
+                "grids_kept": grids.get("kept", 0),
+                "grids_found": grids.get("found", 0),
+                "weights_4bit": grids.get("of", 0),
+                "int8_share": weights.get("int8_share"),
+                "quantize_wall_s": quantized.report.wall_s,
+            }
+        )
+    return out
+
+
+def save_qat_checkpoint(dest: Path, kind: str) -> Path:
+    """The QAT tiny fixture of `kind` as transformers writes it (Gemma4ForCausalLM.save_pretrained,
+    bf16) with the tiny model's tokenizer files."""
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    from stages.builtin_models import write_tokenizer_files
+    from stages.geometry import TINY_TEXT_CONFIG
+    from stages.tiny_model import load_fixture
+
+    dest.mkdir(parents=True, exist_ok=True)
+    write_tokenizer_files(dest, TINY_TEXT_CONFIG["max_position_embeddings"])
+    model = Gemma4ForCausalLM(
+        Gemma4TextConfig(**{k: v for k, v in TINY_TEXT_CONFIG.items() if k != "model_type"})
+    )
+    result = model.model.load_state_dict(load_fixture(kind), strict=False)
+    assert not result.missing_keys and not result.unexpected_keys, result
+    model.tie_weights()
+    model.to(torch.bfloat16).save_pretrained(str(dest))
+    return dest
+
+
+def qat_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "",
+        "Quantization-aware-trained tiny checkpoints (`python -m stages.tiny_model --qat`, Q4_0's int4 grid "
+        "per channel or per group of 32 inputs, bf16 as transformers writes them): each quantized keeping "
+        "its grid and ignoring it, against its own float graphs on held-out text; the model not trained "
+        "for 4 bits beside them.",
+        "",
+        "| checkpoint, quantization | top-1 | KL | perplexity FP -> quantized | grids kept / 4-bit weights "
+        "| int8 share |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        share = "" if r["int8_share"] is None else f"{r['int8_share']:.2f}"
+        lines.append(
+            f"| {r['row']} | {r['top1_agreement']:.3f} | {r['kl_divergence']:.4f} | "
+            f"{r['perplexity_fp']:.3f} -> {r['perplexity_quantized']:.3f} | "
+            f"{r['grids_kept']} / {r['weights_4bit']} | {share} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def lut_quality(workdir: Path, bits: tuple[int, ...] = (16, 8, 4)) -> list[dict[str, Any]]:
     """What the per-layer LUT's bits cost on their own: the trained tiny model's float graphs fed
     the Genie LUTs' rows (embedding 16-bit, per-layer LUT at each width) against the same graphs fed

@@ -548,6 +548,8 @@ def bench_quality(obj: Context, output: Path, command_line: str) -> None:
         e2b_rounding_costs,
         lut_markdown,
         lut_quality,
+        qat_markdown,
+        qat_quality,
         quality_markdown,
         tiny_quality,
     )
@@ -557,6 +559,8 @@ def bench_quality(obj: Context, output: Path, command_line: str) -> None:
         tiny = tiny_quality(Path(tmp))
     with tempfile.TemporaryDirectory(prefix=".bench-quality-", dir=obj.workdir) as tmp:
         luts = lut_quality(Path(tmp))
+    with tempfile.TemporaryDirectory(prefix=".bench-quality-", dir=obj.workdir) as tmp:
+        qat = qat_quality(Path(tmp))
     e2b = e2b_rounding_costs()
     m = _machine()
     machine = f"{m['cpus']}cpu-{round(m['memory_bytes'] / GIB)}gib"
@@ -564,12 +568,19 @@ def bench_quality(obj: Context, output: Path, command_line: str) -> None:
     output.mkdir(parents=True, exist_ok=True)
     (output / f"{stem}.json").write_text(
         json.dumps(
-            {"machine": m, "command": command_line, "tiny": tiny, "e2b_rounding": e2b, "ple_lut": luts},
+            {
+                "machine": m,
+                "command": command_line,
+                "tiny": tiny,
+                "e2b_rounding": e2b,
+                "ple_lut": luts,
+                "qat": qat,
+            },
             indent=2,
         )
         + "\n"
     )
-    md = quality_markdown(tiny, e2b, command_line) + lut_markdown(luts)
+    md = quality_markdown(tiny, e2b, command_line) + lut_markdown(luts) + qat_markdown(qat)
     (output / f"{stem}.md").write_text(md)
     click.echo(md)
     click.echo(f"written: {output / stem}.json, .md")

@@ -42,6 +42,8 @@ PLE_POLICIES = tuple(PLE_POLICY_SCHEMES)
 PLE_LUT_BITS = (4, 8, 16)
 KV_BITS = ("auto", "8", "16")
 WEIGHT_ROUNDINGS = ("gptq-search", "gptq", "nearest")
+# keep: a weight found on the checkpoint's own low-bit grid (QAT) keeps it (stages/grid.py).
+CHECKPOINT_GRIDS = ("keep", "ignore")
 LM_HEAD_BITS = (8, 4)
 CALIBRATION_DATASETS = ("wikitext-2-raw-v1", "files")
 VERIFY_ENGINES = ("htp", "replay", "cpu")
@@ -152,6 +154,14 @@ class PipelineConfig:
             "(gptq, then each weight left at 4 bits per channel rounded again with its scales searched "
             "under GPTQ's output error; LPBQ weights keep their block-scale search) or nearest "
             "(clipping search alone)",
+        )
+    )
+    checkpoint_grid: str = field(
+        metadata=_meta(
+            "quantize",
+            "keep: a 4-bit weight found on the checkpoint's own low-bit grid (quantization-aware "
+            "training) keeps its integers (int4 per channel, or LPBQ at the grid's group size); ignore: "
+            "rounded as any other weight",
         )
     )
     # Quality floors (quality_floor below): the quantize stage fails when its quantized graphs, on held-out
@@ -425,6 +435,7 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
     _one_of("ple_lut_bits", cfg.ple_lut_bits, PLE_LUT_BITS)
     _one_of("kv_bits", cfg.kv_bits, KV_BITS)
     _one_of("weight_rounding", cfg.weight_rounding, WEIGHT_ROUNDINGS)
+    _one_of("checkpoint_grid", cfg.checkpoint_grid, CHECKPOINT_GRIDS)
     _one_of("lm_head_bits", cfg.lm_head_bits, LM_HEAD_BITS)
     if cfg.lm_head_bits == 4 and not cfg.soc_info.lpbq_4bit_weights:
         raise ConfigError(

@@ -417,6 +417,8 @@ def e2b_geometry() -> Geometry:
 # Models whose geometry is known without a downloaded config.json (lower-cased names).
 KNOWN_GEOMETRIES = {
     "google/gemma-4-e2b-it": E2B_TEXT_CONFIG,
+    # the same architecture, its decoder weights on Q4_0's grid (the `qat` preset)
+    "google/gemma-4-e2b-it-qat-q4_0-unquantized": E2B_TEXT_CONFIG,
     "e2b-random": E2B_TEXT_CONFIG,
     "tiny": TINY_TEXT_CONFIG,
 }

@@ -437,7 +437,11 @@ class WeightRounder:
         grid = find_grid(w.T)
         if grid is None:
             return None
-        kept = kept_grid(grid, scheme, w.shape[0])
+        kept = (
+            kept_grid(grid, scheme, w.shape[0])
+            if self.cfg.checkpoint_grid == "keep"
+            else "checkpoint_grid=ignore"
+        )
         entry = {
             "found": grid.describe(),
             "bits": grid.bits,
@@ -450,6 +454,16 @@ class WeightRounder:
             return None
         q, scale, block_scales, residual, clipped = kept
         entry.update(scale_residual=round(residual, 6), clipped=clipped)
+        hessian = self.hessians.get(name)
+        if clipped and hessian is not None:
+            # The clipped values (Q4_0's +8 under a negative scale; v69 takes neither negative weight
+            # scales nor int4 zero points, docs/stages/quantize.md) move their output error onto the
+            # integers after them: GPTQ under the grid's own scales, which leaves every other integer
+            # where it was until the first clipped one.
+            scales = scale[None, :] if block_scales is None else block_scales * scale
+            compensated = gptq(w, hessian, scales)
+            entry["integers_moved"] = int((compensated != q).sum())
+            q = compensated
         return q, scale, block_scales
 
     def choose_int8(self, share: float) -> frozenset[str]:
