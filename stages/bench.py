@@ -385,26 +385,39 @@ def save_qat_checkpoint(dest: Path, kind: str) -> Path:
     return dest
 
 
+def _table_section(intro: str, header: list[str], rows: list[list[str]]) -> str:
+    """A bench-quality section: a paragraph, then a markdown table."""
+    lines = ["", intro, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def qat_markdown(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "",
+    return _table_section(
         "Quantization-aware-trained tiny checkpoints (`python -m stages.tiny_model --qat`, Q4_0's int4 grid "
         "per channel or per group of 32 inputs, bf16 as transformers writes them): each quantized keeping "
         "its grid and ignoring it, against its own float graphs on held-out text; the model not trained "
         "for 4 bits beside them.",
-        "",
-        "| checkpoint, quantization | top-1 | KL | perplexity FP -> quantized | grids kept / 4-bit weights "
-        "| int8 share |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        share = "" if r["int8_share"] is None else f"{r['int8_share']:.2f}"
-        lines.append(
-            f"| {r['row']} | {r['top1_agreement']:.3f} | {r['kl_divergence']:.4f} | "
-            f"{r['perplexity_fp']:.3f} -> {r['perplexity_quantized']:.3f} | "
-            f"{r['grids_kept']} / {r['weights_4bit']} | {share} |"
-        )
-    return "\n".join(lines) + "\n"
+        [
+            "checkpoint, quantization",
+            "top-1",
+            "KL",
+            "perplexity FP -> quantized",
+            "grids kept / 4-bit weights",
+            "int8 share",
+        ],
+        [
+            [
+                r["row"],
+                f"{r['top1_agreement']:.3f}",
+                f"{r['kl_divergence']:.4f}",
+                f"{r['perplexity_fp']:.3f} -> {r['perplexity_quantized']:.3f}",
+                f"{r['grids_kept']} / {r['weights_4bit']}",
+                "" if r["int8_share"] is None else f"{r['int8_share']:.2f}",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def lut_quality(workdir: Path, bits: tuple[int, ...] = (16, 8, 4)) -> list[dict[str, Any]]:
@@ -446,21 +459,22 @@ def lut_quality(workdir: Path, bits: tuple[int, ...] = (16, 8, 4)) -> list[dict[
 
 
 def lut_markdown(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "",
+    return _table_section(
         "Per-layer LUT bits alone (tiny trained model, float graphs): the graphs fed the Genie LUTs "
         "(embedding ufixed16, per-layer LUT at each width) against the same graphs fed the checkpoint's "
         "float embeddings, held-out text.",
-        "",
-        "| per-layer LUT | top-1 | KL | perplexity exact -> LUT | tiny LUT file |",
-        "|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| ufixed{r['ple_lut_bits']} | {r['top1_agreement']:.3f} | {r['kl_divergence']:.5f} | "
-            f"{r['perplexity_fp']:.3f} -> {r['perplexity_quantized']:.3f} | {r['lut_bytes'] / 1024:.0f} KiB |"
-        )
-    return "\n".join(lines) + "\n"
+        ["per-layer LUT", "top-1", "KL", "perplexity exact -> LUT", "tiny LUT file"],
+        [
+            [
+                f"ufixed{r['ple_lut_bits']}",
+                f"{r['top1_agreement']:.3f}",
+                f"{r['kl_divergence']:.5f}",
+                f"{r['perplexity_fp']:.3f} -> {r['perplexity_quantized']:.3f}",
+                f"{r['lut_bytes'] / 1024:.0f} KiB",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def e2b_rounding_costs(schemes=QUALITY_SCHEMES, calibration_rows: int = 1024) -> list[dict[str, Any]]:
