@@ -424,6 +424,13 @@ KNOWN_GEOMETRIES = {
 }
 
 
+# Published checkpoints whose decoder weights sit on a low-bit grid (quantization-aware training), by
+# the grid's group size along the input (None: one scale per output channel); lower-cased names.
+# What quantize finds in the weights themselves decides (stages/grid.py); this lets the plan and the
+# layout rule know it before the download.
+KNOWN_QAT_GROUPS: dict[str, int | None] = {"google/gemma-4-e2b-it-qat-q4_0-unquantized": 32}
+
+
 def builtin_geometry(model: str) -> Geometry | None:
     config = KNOWN_GEOMETRIES.get(model.lower())
     return geometry_from_config(config) if config else None

@@ -36,6 +36,22 @@ def original(**overrides):
     return load_config(overrides={"precision": "w8a16", "prefill_ar": 128, "decode_ar": 1, **overrides})
 
 
+def test_the_qat_preset_is_the_layout_its_rule_picks_for_a_qat_source(geo):
+    """A known QAT source whose groups LPBQ keeps ranks LPBQ above int4 per channel; at the preset's
+    30 tokens/s target the rule picks it all at 4 bits. The same targets on the plain checkpoint pick
+    int4 per channel (the two tie there, and the smaller AR wins)."""
+    from stages.fitting import quality_rank
+
+    cfg = load_config("qat")
+    pick = rule_layout(make_layouts(geo, cfg), cfg)
+    assert pick.is_config and pick.name == "w4a16-lpbq, one graph kind AR-16"
+    assert pick.decode_tokens_per_s_ceiling >= cfg.min_decode_tokens_per_s
+    assert quality_rank(cfg) == quality_rank(load_config("qat", {"precision": "w4a16"})) - 1
+    assert quality_rank(load_config("qat", {"checkpoint_grid": "ignore"})) == cfg.precision_info.quality_rank
+    plain = load_config("qat", {"model": "google/gemma-4-E2B-it"})
+    assert rule_layout(make_layouts(geo, plain), plain).precision == "w4a16"
+
+
 def test_the_default_preset_is_the_layout_its_rule_picks(geo):
     cfg = load_config()
     layouts = make_layouts(geo, cfg)
