@@ -242,3 +242,22 @@ def test_a_4_bit_per_layer_lut_built_end_to_end_answers_as_transformers(bundled,
     fig = run_verify(cfg, work, ckpt, PROMPT)["figures"]
     assert fig["real_genie"]["answers"]["chat"] == fig["transformers_text"]
     assert all(status >= 0 for status in fig["real_genie"]["statuses"].values())
+    # The emulator's `unpack` claim against Genie's own dump of the first call's input: each 4-bit
+    # entry lands in the 8-bit input as exactly 16 times itself.
+    import numpy as np
+
+    from stages.runtimes.genie.emulator import GenieEmulator
+
+    bundle = work / "genie_bundle"
+    emulator = GenieEmulator(bundle, read_result(work, "compile", CompileResult), "htp", work / "quantized")
+    emulator.record = lambda step: True
+    text = query_text(bundle, PROMPT)
+    emulator.generate(emulator.query_ids(text), 1, greedy=True)
+    graph, feeds, _ = emulator.recorded[0].runs[0]
+    dumps = tmp_path / "dumps"
+    assert run_dialog(bundle, [Query(text, 1)], tmp_path / "genie.log", GREEDY, dump_dir=dumps).statuses == [
+        0
+    ]
+    want = feeds["per_layer_inputs"]
+    got = np.fromfile(dumps / "text_primary" / graph.qnn_name / "000_in_per_layer_inputs", dtype=want.dtype)
+    assert np.array_equal(got.reshape(want.shape), want) and (want % 16 == 0).all()
