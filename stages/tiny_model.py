@@ -105,6 +105,32 @@ def load_fixture(qat: str | None = None) -> dict[str, Any]:
     return load_file(str(path))
 
 
+def _deterministic_model(seed: int) -> tuple[Any, Any]:
+    """A fresh Gemma4ForCausalLM of the tiny config, on one thread with deterministic algorithms
+    (thread count changes float reductions), and its geometry; its weights are the caller's."""
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    torch.manual_seed(seed)
+    geo = geometry_from_config(TINY_TEXT_CONFIG)
+    text = {k: v for k, v in geo.config.items() if k != "model_type"}
+    return Gemma4ForCausalLM(Gemma4TextConfig(**text, attn_implementation="eager")), geo
+
+
+def _train_step(model, opt, x) -> Any:
+    """One optimizer step on the windows `x` (clipped gradients); returns the loss."""
+    import torch
+
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def q4_0(w: Any, group: int | None) -> Any:
     """`w` (out, in) on Q4_0's grid: per group of `group` inputs (None: the whole row), the value of
     largest magnitude m sets the scale d = m / -8, and each weight becomes d * clamp(round(w / d), -8, 7)."""
@@ -131,7 +157,6 @@ def train_qat(kind: str, steps: int = 300, seed: int = 0, batch: int = 16, seq: 
     and figures (held-out loss of the float start, of it rounded onto the grid, and of the QAT result)."""
     import torch
     from torch.nn.utils import parametrize
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     group = QAT_GROUPS[kind]
 
@@ -139,12 +164,7 @@ def train_qat(kind: str, steps: int = 300, seed: int = 0, batch: int = 16, seq: 
         def forward(self, w):
             return w + (q4_0(w, group) - w).detach()
 
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    torch.manual_seed(seed)
-    geo = geometry_from_config(TINY_TEXT_CONFIG)
-    text = {k: v for k, v in geo.config.items() if k != "model_type"}
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**text, attn_implementation="eager"))
+    model, geo = _deterministic_model(seed)
     start = {"model." + k: v.float() for k, v in load_fixture().items()}
     assert model.load_state_dict(start, strict=False).missing_keys == ["lm_head.weight"]
     model.tie_weights()
@@ -164,12 +184,7 @@ def train_qat(kind: str, steps: int = 300, seed: int = 0, batch: int = 16, seq: 
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-        x = _windows(train_ids, batch, seq, gen)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _train_step(model, opt, _windows(train_ids, batch, seq, gen))
     train_s = time.perf_counter() - t0
     model.eval()
     for m in owners:  # the weights become their grid values
@@ -220,16 +235,10 @@ def heldout_loss(model, ids: list[int], seq: int) -> float:
 def train(steps: int, seed: int = 0, batch: int = 16, seq: int = 128, lr: float = 3e-3) -> dict[str, Any]:
     """Train the tiny config from its seeded random init; returns weights (bf16) and figures."""
     import torch
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     from stages.builtin_models import TEXT_PREFIX, random_tensor
 
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    torch.manual_seed(seed)
-    geo = geometry_from_config(TINY_TEXT_CONFIG)
-    text = {k: v for k, v in geo.config.items() if k != "model_type"}
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**text, attn_implementation="eager"))
+    model, geo = _deterministic_model(seed)
     # The same seeded init `download --model` would write for a random checkpoint.
     init = {
         "model." + t.name: random_tensor(TEXT_PREFIX + t.name, t.shape, geo.config, seed).float()
@@ -252,12 +261,7 @@ def train(steps: int, seed: int = 0, batch: int = 16, seq: int = 128, lr: float 
         scale = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * step / steps))
         for g in opt.param_groups:
             g["lr"] = lr * scale
-        x = _windows(train_ids, batch, seq, gen)
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = _train_step(model, opt, _windows(train_ids, batch, seq, gen))
         if step % 50 == 0 or step == steps - 1:
             curve.append([step, round(loss.item(), 4)])
     train_s = time.perf_counter() - t0

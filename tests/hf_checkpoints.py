@@ -31,7 +31,6 @@ class Layout:
     max_shard_size: str | None = None  # e.g. "100KB": several files and an index
     config_form: str = "per_layer_config"  # as transformers 5.23 saves, or "global_head_dim" as published
     shared_kv_leftovers: bool = False  # K/V weights of KV-shared layers, as in the published E2B-it
-    qat: str | None = None  # the trained weights' QAT twin (stages.tiny_model.QAT_GROUPS kind)
 
     @property
     def name(self) -> str:
@@ -41,14 +40,10 @@ class Layout:
             "sharded" if self.max_shard_size else "single",
             self.config_form.replace("_", "-"),
         ]
-        extra = (["kv-leftovers"] if self.shared_kv_leftovers else []) + (
-            [f"qat-{self.qat}"] if self.qat else []
-        )
-        return "-".join(parts + extra)
+        return "-".join(parts + (["kv-leftovers"] if self.shared_kv_leftovers else []))
 
 
 def _model(layout: Layout) -> Any:
-    """The tiny model in `layout`'s class and dtype, with the trained weights (or their QAT twin)."""
     import torch
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
@@ -62,7 +57,7 @@ def _model(layout: Layout) -> Any:
     else:
         model = Gemma4ForCausalLM(text)
         decoder = model.model
-    result = decoder.load_state_dict(load_fixture(layout.qat), strict=False)
+    result = decoder.load_state_dict(load_fixture(), strict=False)
     assert not result.missing_keys and not result.unexpected_keys, result
     model.tie_weights()
     return model.to(getattr(torch, layout.dtype)).eval()
