@@ -102,6 +102,8 @@ def collect(cfg: PipelineConfig, workdir: Path, plan: dict[str, Any] | None = No
         }
     done = [s for s in ("export", "quantize", "compile") if stages.get(s)]
     return {
+        # Where quantize's time went (reports before the pass clock have none).
+        "quantize_passes": (quant or {}).get("figures", {}).get("passes"),
         "date": datetime.date.today().isoformat(),
         "machine": _machine(),
         "config": {**cfg.to_dict(), **ran},
@@ -142,6 +144,7 @@ def to_markdown(result: dict[str, Any], command: str) -> str:
         f"largest peak RSS {result['max_peak_rss_bytes'] / GIB:.1f} GiB.",
         "",
     ]
+    lines += passes_markdown(result.get("quantize_passes"))
     verified = result.get("verify")
     if verified:
         calls = verified.get("calls") or {}
@@ -213,9 +216,47 @@ def to_markdown(result: dict[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def passes_markdown(passes: list[dict[str, Any]] | None) -> list[str]:
+    """The quantize stage's passes as a table: time, what each read, and its time per unit."""
+    if not passes:
+        return []
+    lines = [
+        "Quantize, pass by pass (`figures.passes` of its report):",
+        "",
+        "| pass | wall | tokens read | units | per unit |",
+        "|---|---|---|---|---|",
+    ]
+    for p in passes:
+        units = p.get("units")
+        per = f"{p['wall_s'] / units:.2f} s/{p['unit']}" if units else ""
+        count = f"{units} {p['unit']}s" if units else ""
+        lines.append(
+            f"| {p['name']} | {p['wall_s'] / 60:.1f} min | {p.get('tokens', '')} | {count} | {per} |"
+        )
+    return [*lines, ""]
+
+
 def _fmt(row: dict[str, Any], key: str, unit: float, form: str) -> str:
     value = row.get(key)
     return "" if value is None else form.format(value / unit)
+
+
+def write_bench_files(output: Path, kind: str, command: str, record: dict[str, Any], md: str) -> Path:
+    """A bench-* run's record and table as OUTPUT/<date>-<kind>-<machine>.{json,md}; returns the path
+    without its suffix."""
+    import json
+
+    m = _machine()
+    stem = (
+        output
+        / f"{datetime.date.today().isoformat()}-{kind}-{m['cpus']}cpu-{round(m['memory_bytes'] / GIB)}gib"
+    )
+    output.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(
+        json.dumps({"machine": m, "command": command, **record}, indent=2) + "\n"
+    )
+    stem.with_suffix(".md").write_text(md)
+    return stem
 
 
 def write_results(result: dict[str, Any], out_dir: Path, command: str) -> tuple[Path, Path]:

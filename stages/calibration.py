@@ -24,7 +24,11 @@ import numpy as np
 from stages.config import PipelineConfig
 from stages.tiny_model import CORPUS_DIR
 
-WIKITEXT = ("wikitext", "wikitext-2-raw-v1")
+# WikiText-2 (raw) on the Hub: the dataset repo and its config. A local copy of the repo's files under
+# WORKDIR/datasets/<repo> (as `hf download --repo-type dataset Salesforce/wikitext --local-dir ...`
+# writes them) is read in place of the Hub: offline machines and CI calibrate on it.
+WIKITEXT = ("Salesforce/wikitext", "wikitext-2-raw-v1")
+DATASETS_FOLDER = "datasets"
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
@@ -62,24 +66,92 @@ def read_text_files(paths: list[Path]) -> list[str]:
     return texts
 
 
-def load_texts(cfg: PipelineConfig, purpose: str, files: list[Path] | None = None) -> list[str]:
-    """Texts to calibrate on (purpose "calibration") or to evaluate on ("heldout")."""
+def local_dataset(workdir: Path | None, repo_id: str) -> Path | None:
+    """The local copy of a Hub dataset repo under WORKDIR/datasets/, if there is one."""
+    folder = workdir / DATASETS_FOLDER / repo_id if workdir is not None else None
+    return folder if folder is not None and (folder / "README.md").is_file() else None
+
+
+def text_source(cfg: PipelineConfig, files: list[Path] | None = None, workdir: Path | None = None) -> str:
+    """Where load_texts reads: the files given, the built-in corpus, or WikiText-2's local copy or Hub id."""
+    if files:
+        return ", ".join(str(f) for f in files)
+    if cfg.calibration_dataset != "wikitext-2-raw-v1":
+        return f"built-in corpus ({CORPUS_DIR.name}/)"
+    local = local_dataset(workdir, WIKITEXT[0])
+    return f"{local} (local copy)" if local else f"{WIKITEXT[0]} (Hub)"
+
+
+def load_texts(
+    cfg: PipelineConfig, purpose: str, files: list[Path] | None = None, workdir: Path | None = None
+) -> list[str]:
+    """Texts to calibrate on (purpose "calibration") or to evaluate on ("heldout"); WikiText-2 from its
+    local copy under `workdir` when there is one, else from the Hub."""
     if cfg.calibration_dataset == "wikitext-2-raw-v1" and not files:
+        repo_id, config = WIKITEXT
+        source = local_dataset(workdir, repo_id)
         try:
             import datasets
 
+            datasets.disable_progress_bars()  # a few seconds of split generation, once per copy
             split = "train" if purpose == "calibration" else "test"
-            rows = datasets.load_dataset(*WIKITEXT, split=split)["text"]
+            if source is None:
+                rows = datasets.load_dataset(repo_id, config, split=split)["text"]
+            else:
+                import tempfile
+
+                # Not datasets' cache: it keys a local folder's splits by name, so a replaced copy
+                # (the stand-in, then the real files) would be read stale from there.
+                with tempfile.TemporaryDirectory(prefix="g4v69-datasets-") as cache:
+                    ds = datasets.load_dataset(str(source), config, split=split, cache_dir=cache)
+                    rows = list(ds["text"])
         except Exception as e:  # datasets raises many kinds when offline or missing
+            where = source or f"the Hub ({repo_id}; no local copy in WORKDIR/{DATASETS_FOLDER}/{repo_id})"
             raise CalibrationError(
-                f"cannot load WikiText-2 ({e.__class__.__name__}: {e}); without network, calibrate on "
-                "local text: G4V69_CALIBRATION_DATASET=files (the built-in corpus, or your own with "
-                "QUANT_ARGS='--calibration-files FILE', txt, jsonl or parquet)"
+                f"cannot load WikiText-2 from {where} ({e.__class__.__name__}: {str(e)[:300]}); without "
+                "network, calibrate on local text: G4V69_CALIBRATION_DATASET=files (the built-in corpus, "
+                "or your own with QUANT_ARGS='--calibration-files FILE', txt, jsonl or parquet), or put a "
+                f"copy of the dataset's files in WORKDIR/{DATASETS_FOLDER}/{repo_id}"
             ) from None
         return ["".join(rows)]
     if files:
         return read_text_files(files)
     return read_text_files([CORPUS_DIR / f"{purpose}.txt"])
+
+
+WIKITEXT_SPLITS = ("train", "validation", "test")
+
+
+def write_wikitext_copy(dest: Path, splits: dict[str, str], note: str) -> Path:
+    """Files in the layout of the WikiText dataset repo on the Hub (README.md whose front matter maps
+    each config's splits to files, and `<config>/<split>-00000-of-00001.parquet` with a "text" column
+    of lines, as WikiText's rows are), holding `splits` (split -> text) under WikiText-2 raw's config.
+    The stand-in that the bench and the tests read where the Hub cannot be reached; `note` (the
+    README's body) says what the text really is. Written to a temporary folder, then renamed."""
+    import shutil
+    import tempfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    _, config = WIKITEXT
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        (tmp / config).mkdir()
+        files = []
+        for split in WIKITEXT_SPLITS:
+            lines = splits[split].splitlines(keepends=True)
+            pq.write_table(pa.table({"text": lines}), tmp / config / f"{split}-00000-of-00001.parquet")
+            files.append(f"  - split: {split}\n    path: {config}/{split}-*")
+        front = f"---\nconfigs:\n- config_name: {config}\n  data_files:\n" + "\n".join(files) + "\n---\n"
+        (tmp / "README.md").write_text(front + "\n" + note + "\n")
+        if dest.exists():
+            shutil.rmtree(dest)
+        tmp.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
 
 
 def token_samples(texts: list[str], encode, bos_id: int, count: int, length: int) -> list[list[int]]:

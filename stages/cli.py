@@ -531,6 +531,52 @@ def doctor(obj: Context, as_json: bool) -> None:
         click.echo(render_checks(checks))
 
 
+@main.command(name="wikitext-stand-in")
+@click.pass_obj
+def wikitext_stand_in(obj: Context) -> None:
+    """Write WORKDIR/datasets/Salesforce/wikitext: the built-in corpus (calibration part as train,
+    held-out part as validation and test) in WikiText-2's files as the Hub serves them, read in place of
+    the Hub. Not WikiText: what `make bench` calibrates on where the Hub cannot be reached."""
+    from stages.calibration import DATASETS_FOLDER, WIKITEXT, write_wikitext_copy
+    from stages.tiny_model import CORPUS_DIR
+
+    calibration = (CORPUS_DIR / "calibration.txt").read_text(encoding="utf-8")
+    heldout = (CORPUS_DIR / "heldout.txt").read_text(encoding="utf-8")
+    dest = write_wikitext_copy(
+        obj.workdir / DATASETS_FOLDER / WIKITEXT[0],
+        {"train": calibration, "validation": heldout, "test": heldout},
+        "A stand-in written by `g4v69 wikitext-stand-in`: the built-in corpus of this project in "
+        "WikiText-2 (raw)'s layout, not WikiText. Replace this folder with the real dataset's files "
+        "(hf download --repo-type dataset Salesforce/wikitext --local-dir <this folder>).",
+    )
+    click.echo(f"{dest}: the built-in corpus in WikiText-2's layout (a stand-in, not WikiText)")
+
+
+@main.command(name="bench-calibration")
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option("--command", "command_line", default="make bench-calibration", help="the command to record")
+@click.pass_obj
+def bench_calibration(obj: Context, output: Path, command_line: str) -> None:
+    """The calibration recipe pass by pass: tiny-model quality against what each pass reads, and its
+    E2B cost from the newest E2B bench run, into OUTPUT/<date>-calibration-recipe-<machine>.{json,md};
+    scratch folders under WORKDIR."""
+    import tempfile
+
+    from stages.bench import write_bench_files
+    from stages.calibration_bench import e2b_costs, newest_e2b_passes, recipe_markdown, tiny_recipe
+
+    obj.workdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".bench-calibration-", dir=obj.workdir) as tmp:
+        tiny = tiny_recipe(Path(tmp))
+    found = newest_e2b_passes(output)
+    e2b = e2b_costs(found[1], found[2]) if found else []
+    record = {"tiny": tiny, "e2b": e2b, "e2b_source": found and found[0]}
+    md = recipe_markdown(tiny, e2b, found and found[0], command_line)
+    stem = write_bench_files(output, "calibration-recipe", command_line, record, md)
+    click.echo(md)
+    click.echo(f"written: {stem}.json, .md")
+
+
 @main.command(name="bench-quality")
 @click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True)
 @click.option("--command", "command_line", default="make bench-quality", help="the command to record")
@@ -538,13 +584,9 @@ def doctor(obj: Context, as_json: bool) -> None:
 def bench_quality(obj: Context, output: Path, command_line: str) -> None:
     """Every weight scheme on the tiny model (held-out quality) and at E2B geometry (rounding time and
     memory) into OUTPUT/<date>-weight-schemes-<machine>.{json,md}; scratch folders under WORKDIR."""
-    import datetime
-    import json
     import tempfile
 
     from stages.bench import (
-        GIB,
-        _machine,
         e2b_rounding_costs,
         lut_markdown,
         lut_quality,
@@ -552,6 +594,7 @@ def bench_quality(obj: Context, output: Path, command_line: str) -> None:
         qat_quality,
         quality_markdown,
         tiny_quality,
+        write_bench_files,
     )
 
     obj.workdir.mkdir(parents=True, exist_ok=True)
@@ -562,25 +605,8 @@ def bench_quality(obj: Context, output: Path, command_line: str) -> None:
     with tempfile.TemporaryDirectory(prefix=".bench-quality-", dir=obj.workdir) as tmp:
         qat = qat_quality(Path(tmp))
     e2b = e2b_rounding_costs()
-    m = _machine()
-    machine = f"{m['cpus']}cpu-{round(m['memory_bytes'] / GIB)}gib"
-    stem = f"{datetime.date.today().isoformat()}-weight-schemes-{machine}"
-    output.mkdir(parents=True, exist_ok=True)
-    (output / f"{stem}.json").write_text(
-        json.dumps(
-            {
-                "machine": m,
-                "command": command_line,
-                "tiny": tiny,
-                "e2b_rounding": e2b,
-                "ple_lut": luts,
-                "qat": qat,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    record = {"tiny": tiny, "e2b_rounding": e2b, "ple_lut": luts, "qat": qat}
     md = quality_markdown(tiny, e2b, command_line) + lut_markdown(luts) + qat_markdown(qat)
-    (output / f"{stem}.md").write_text(md)
+    stem = write_bench_files(output, "weight-schemes", command_line, record, md)
     click.echo(md)
-    click.echo(f"written: {output / stem}.json, .md")
+    click.echo(f"written: {stem}.json, .md")

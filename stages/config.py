@@ -130,8 +130,26 @@ class PipelineConfig:
         )
     )
     calibration_dataset: str = field(metadata=_meta("quantize", "wikitext-2-raw-v1, or files (local text)"))
-    calibration_samples: int = field(metadata=_meta("quantize", "number of calibration sequences"))
+    calibration_samples: int = field(
+        metadata=_meta("quantize", "calibration sequences the activation ranges are calibrated on")
+    )
     calibration_tokens: int = field(metadata=_meta("quantize", "tokens per calibration sequence, at most"))
+    # The calibration recipe: what each pass that reads the calibration text takes of it, from the same
+    # sequences (the first ones). Measured per pass, quality against tokens: `make bench-calibration`.
+    hessian_samples: int = field(
+        metadata=_meta(
+            "quantize",
+            "calibration sequences (the first ones) whose activations make GPTQ's Hessians and the "
+            "scale search's output error",
+        )
+    )
+    sensitivity_tokens: int = field(
+        metadata=_meta(
+            "quantize",
+            "calibration tokens (from the first sequences) each 4-bit weight's end-to-end sensitivity is "
+            "measured on, for the mixed precisions' int8 choice",
+        )
+    )
     ple_policy: str = field(metadata=_meta("export", "precision of the in-graph per-layer-embedding paths"))
     ple_lut_bits: int = field(
         metadata=_meta("export", "bits per entry of the per-layer embedding LUT: 4, 8 or 16")
@@ -206,6 +224,11 @@ class PipelineConfig:
     @property
     def precision_info(self) -> Precision:
         return PRECISIONS[self.precision]
+
+    @property
+    def calibration_sequences(self) -> int:
+        """Calibration sequences read: as many as the pass that takes the most (ranges or Hessians)."""
+        return max(self.calibration_samples, self.hessian_samples)
 
     @property
     def is_builtin_model(self) -> bool:
@@ -424,6 +447,14 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
     _one_of("calibration_dataset", cfg.calibration_dataset, CALIBRATION_DATASETS)
     _at_least("calibration_samples", cfg.calibration_samples, 1)
     _at_least("calibration_tokens", cfg.calibration_tokens, 2)
+    _at_least("hessian_samples", cfg.hessian_samples, 1)
+    _at_least("sensitivity_tokens", cfg.sensitivity_tokens, 1)
+    if cfg.sensitivity_tokens > cfg.calibration_sequences * cfg.calibration_tokens:
+        raise ConfigError(
+            "sensitivity_tokens",
+            f"{cfg.sensitivity_tokens} is more than the calibration text read "
+            f"({cfg.calibration_sequences} x {cfg.calibration_tokens} tokens); lower it",
+        )
     twin = cfg.calibration_ar > cfg.prefill_ar  # stages.graphs.calibration_kind
     if twin and cfg.calibration_ar > cfg.calibration_tokens:
         raise ConfigError(

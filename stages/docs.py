@@ -83,7 +83,8 @@ def render_benchmarks(results_dir: Path) -> str:
         _NOTICE.format(source=f"from `{BENCH_RESULTS}/*.json` and `*.md`"),
         "# Bench results",
         "",
-        f"Every run committed in `{BENCH_RESULTS}/` (`make bench`, `make bench-quality`), newest last.",
+        f"Every run committed in `{BENCH_RESULTS}/` (`make bench`, `make bench-quality`, "
+        "`make bench-calibration`), newest last.",
         "What the runs mean and how they compare: [Bench runs at E2B scale](performance.md).",
         "",
         "| run | model | precision | graph ARs (prefill, decode) | parts | calibration | "

@@ -61,6 +61,8 @@ WORK_FIELDS = (
     "max_context",
     "calibration_samples",
     "calibration_tokens",
+    "hessian_samples",
+    "sensitivity_tokens",
     "verify_engine",
 )
 

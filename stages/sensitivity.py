@@ -19,12 +19,8 @@ from typing import Any
 
 import numpy as np
 
-# Calibration tokens per measurement: one AR-128 call of the calibration twin at E2B (about 4 s of
-# float chain per weight), 32 AR-4 calls on the tiny model.
-SENSITIVITY_TOKENS = 128
 
-
-def sensitivity_samples(samples: list[list[int]], tokens: int = SENSITIVITY_TOKENS) -> list[list[int]]:
+def sensitivity_samples(samples: list[list[int]], tokens: int) -> list[list[int]]:
     """The calibration samples' first `tokens` tokens, whole samples first."""
     out, left = [], tokens
     for s in samples:

@@ -31,9 +31,6 @@ from stages.quantize.weights import (
 )
 
 DECODE_CALIBRATION_STEPS = 64
-# GPTQ's Hessians come from the first calibration samples: 8 x 2048 tokens on the default preset
-# (16k rows for at most 6,144-wide inputs; the reference implementation uses 128 x 2048).
-HESSIAN_SAMPLES = 8
 
 
 def _method(name: str):

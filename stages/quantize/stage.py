@@ -24,7 +24,6 @@ from stages.quantize.analysis import (
 from stages.quantize.audit import audit
 from stages.quantize.calibrate import (
     DECODE_CALIBRATION_STEPS,
-    HESSIAN_SAMPLES,
     RangeCollector,
     calibrate_kind,
     qnn_config,
@@ -32,6 +31,7 @@ from stages.quantize.calibrate import (
     quantize_with_ranges,
     twin_ranges,
 )
+from stages.quantize.passes import WEIGHT_PASSES, PassClock, PassTime, tokens_of
 from stages.quantize.weights import (
     WeightRounder,
     _4bit_weights,
@@ -54,6 +54,7 @@ class QuantizedGraphs:
     figures: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     weights: dict[str, Any] = field(default_factory=dict)  # WeightRounder.figures(), with its time
+    clock: PassClock = field(default_factory=PassClock)
 
 
 def quantize_graphs(
@@ -89,6 +90,7 @@ def quantize_graphs(
         total=sum(len(g) for g in runner.graphs.values()), desc=f"quantize ({cfg.ple_policy})", unit="graph"
     )
     rounder: WeightRounder | None = None
+    clock = PassClock()
     for role in ("prefill", "decode"):
         if role not in runner.graphs:
             continue
@@ -96,41 +98,30 @@ def quantize_graphs(
         with tempfile.TemporaryDirectory(prefix=".calibration-", dir=out_dir) as tmp:
             collector = RangeCollector() if role == "prefill" else None
             chain = twin if twin is not None and role == "prefill" else runner
-            t0 = time.perf_counter()
-            calibrated = calibrate_kind(
-                cfg,
-                chain,
-                role,
-                samples,
-                decode_steps,
-                Path(tmp),
-                calibration_providers,
-                method,
-                stride,
-                collector,
-            )
-            share = (time.perf_counter() - t0) / len(calibrated)  # the pass's time, split evenly
+            with clock.run(f"ranges_{role}", unit="call") as timed:
+                calibrated = calibrate_kind(
+                    cfg,
+                    chain,
+                    role,
+                    samples[: cfg.calibration_samples],
+                    decode_steps,
+                    Path(tmp),
+                    calibration_providers,
+                    method,
+                    stride,
+                    collector,
+                )
+                timed.units = max(count for _, count, _ in calibrated.values())
+                timed.tokens = (
+                    tokens_of(samples[: cfg.calibration_samples]) if role == "prefill" else timed.units
+                )
+            share = timed.wall_s / len(calibrated)  # the pass's time, split evenly
             if rounder is None and _has_4bit_weights(cfg):
                 # After the prefill calibration (its sessions released): Hessians, then every 4-bit
                 # weight rounded once (decode graphs hold the same weights), then the Hessians go.
-                t0 = time.perf_counter()
-                hessians = None
-                if cfg.weight_rounding != "nearest":
-                    watched = {w for _, src in chain.graphs["prefill"] for w in _4bit_weights(cfg, src)}
-                    hessians = collect_hessians(
-                        chain, samples[:HESSIAN_SAMPLES], watched, Path(tmp) / "hessians"
-                    )
-                rounder = WeightRounder(cfg, hessians)
-                del hessians  # round_all drops them when done
-                graphs = [src for _, src in runner.graphs[role]]
-                rounder.round_all(graphs, Path(tmp) / "hessians-kept" if rounder.searches else None)
-                int8_share = cfg.decoder_scheme.int8_share  # not `share`: the pass's time, used below
-                if int8_share:
-                    rounder.measure(chain, sensitivity_samples(samples), Path(tmp) / "sensitivity")
-                    rounder.int8_weights = rounder.choose_int8(int8_share)
-                if rounder.searches:
-                    rounder.search_scales(graphs)
-                rounding_s = time.perf_counter() - t0
+                rounder = _round_weights(
+                    cfg, chain, [src for _, src in runner.graphs[role]], samples, Path(tmp), clock
+                )
             if collector is not None:
                 ranges = collector.ranges()
                 result = QuantizedGraphs(
@@ -139,7 +130,9 @@ def quantize_graphs(
                     boundary_ranges={k: list(v) for k, v in sorted(ranges.boundary.items())},
                 )
                 if rounder is not None:
+                    rounding_s = sum(clock.seconds(name) for name in WEIGHT_PASSES)
                     result.weights = {**rounder.figures(), "rounding_s": round(rounding_s, 1)}
+            write_t0 = time.perf_counter()
             for spec, src in runner.graphs[role]:
                 t0 = time.perf_counter()
                 calibrated_on = spec.name
@@ -194,9 +187,50 @@ def quantize_graphs(
                     }
                 )
                 progress.update()
+            clock.passes.append(
+                PassTime(
+                    f"write_{role}",
+                    round(time.perf_counter() - write_t0, 2),
+                    units=len(calibrated),
+                    unit="graph",
+                )
+            )
     progress.close()
     assert result is not None  # every export has prefill graphs
+    result.clock = clock
     return result
+
+
+def _round_weights(
+    cfg: PipelineConfig, chain, graphs: list[Path], samples: list[list[int]], scratch: Path, clock: PassClock
+) -> WeightRounder:
+    """The 4-bit weights' passes, in order: GPTQ's Hessians from the first `hessian_samples`, every
+    weight rounded once, the mixed precision's measured sensitivity on the first `sensitivity_tokens`,
+    then the scale search of the weights left at 4 bits. Each is timed on `clock`."""
+    hessians = None
+    if cfg.weight_rounding != "nearest":
+        hessian_samples = samples[: cfg.hessian_samples]
+        watched = {w for _, src in chain.graphs["prefill"] for w in _4bit_weights(cfg, src)}
+        with clock.run("hessians", tokens_of(hessian_samples), unit="call") as timed:
+            hessians = collect_hessians(chain, hessian_samples, watched, scratch / "hessians")
+            timed.units = sum(-(-len(s) // chain.prefill_ar) for s in hessian_samples)
+    rounder = WeightRounder(cfg, hessians)
+    del hessians  # round_all drops them when done
+    with clock.run("rounding", unit="weight") as timed:
+        rounder.round_all(graphs, scratch / "hessians-kept" if rounder.searches else None)
+        timed.units = len(rounder.rounded)
+    int8_share = cfg.decoder_scheme.int8_share
+    if int8_share:
+        measured = sensitivity_samples(samples, cfg.sensitivity_tokens)
+        with clock.run("sensitivity", tokens_of(measured), unit="weight") as timed:
+            rounder.measure(chain, measured, scratch / "sensitivity")
+            timed.units = sum(1 for r in rounder.rounded.values() if r.kl_int4 is not None)
+        rounder.int8_weights = rounder.choose_int8(int8_share)
+    if rounder.searches:
+        with clock.run("scale_search", unit="weight") as timed:
+            rounder.search_scales(graphs)
+            timed.units = len(rounder.searched)
+    return rounder
 
 
 def sample_length(cfg: PipelineConfig) -> int:
@@ -209,7 +243,9 @@ def sample_length(cfg: PipelineConfig) -> int:
     return length - length % ar if twin else length
 
 
-def heldout_samples(cfg: PipelineConfig, checkpoint_dir: Path) -> tuple[list[list[int]], int]:
+def heldout_samples(
+    cfg: PipelineConfig, checkpoint_dir: Path, workdir: Path | None = None
+) -> tuple[list[list[int]], int]:
     """The held-out token samples quality is measured on, and how many of each run as decode steps."""
     from stages.calibration import load_texts, token_samples
     from stages.chat import ChatTokenizer
@@ -218,7 +254,7 @@ def heldout_samples(cfg: PipelineConfig, checkpoint_dir: Path) -> tuple[list[lis
     length = sample_length(cfg)
     tok = ChatTokenizer(checkpoint_dir)
     bos = Checkpoint(checkpoint_dir).geometry.config.get("bos_token_id", 2)
-    texts = load_texts(cfg, "heldout", None)
+    texts = load_texts(cfg, "heldout", None, workdir)
     return token_samples(texts, tok.encode, bos, EVAL_SAMPLES, min(length, 512)), min(
         DECODE_CALIBRATION_STEPS, length // 2
     )
@@ -297,7 +333,7 @@ def run_quantize(
     import shutil
     import tempfile
 
-    from stages.calibration import load_texts, token_samples
+    from stages.calibration import load_texts, text_source, token_samples
     from stages.chat import ChatTokenizer
 
     calibration_providers = _providers(provider)
@@ -317,9 +353,9 @@ def run_quantize(
     twin = calibration_kind(cfg)
     ar = twin.ar if twin else cfg.prefill_ar
     length = sample_length(cfg)
-    texts = load_texts(cfg, "calibration", calibration_files)
-    samples = token_samples(texts, tok.encode, bos, cfg.calibration_samples, length)
-    eval_samples, decode_steps = heldout_samples(cfg, checkpoint_dir)
+    texts = load_texts(cfg, "calibration", calibration_files, workdir)
+    samples = token_samples(texts, tok.encode, bos, cfg.calibration_sequences, length)
+    eval_samples, decode_steps = heldout_samples(cfg, checkpoint_dir, workdir)
     inputs = [export_dir / REPORT_NAME] + [export_dir / g["onnx"] for g in exported.graphs]
     # QDQ graphs at the weight bits, plus one float graph's calibration copies at a time.
     graph_bytes = [g["bytes"] for g in exported.graphs]
@@ -349,7 +385,8 @@ def run_quantize(
         split = [k for k, v in encodings.items() if len(v) != 1]
         if split:
             raise QuantizeError(f"KV caches {', '.join(split)} differ in encoding between graphs")
-        quality = {cfg.ple_policy: _quality(cfg, export_dir, main, eval_samples, decode_steps)}
+        with main.clock.run("evaluation", tokens_of(eval_samples), len(eval_samples), "sample"):
+            quality = {cfg.ple_policy: _quality(cfg, export_dir, main, eval_samples, decode_steps)}
         # The absolute floor (the preset's, for this precision): below it nothing is kept.
         from stages.quality import below_floor
 
@@ -393,9 +430,12 @@ def run_quantize(
                 "ple_lut_bits": exported.luts.get("per_layer_embedding", {}).get("bits"),
                 "calibration": {
                     "dataset": cfg.calibration_dataset,
+                    "source": text_source(cfg, calibration_files, workdir),
                     "files": [str(f) for f in calibration_files or []],
-                    "samples": len(samples),
+                    "samples": min(cfg.calibration_samples, len(samples)),
                     "tokens_per_sample": length,
+                    "hessian_samples": min(cfg.hessian_samples, len(samples)),
+                    "sensitivity_tokens": cfg.sensitivity_tokens,
                     "decode_steps_per_sample": decode_steps,
                     "tokens_per_call": ar,
                     "on_twin": twin is not None,
@@ -403,6 +443,8 @@ def run_quantize(
                     "stride": stride,
                 },
                 "evaluation": {"samples": len(eval_samples), "tokens_per_sample": len(eval_samples[0])},
+                # What each pass took (the main precision's; the comparison runs are not timed).
+                "passes": main.clock.figures(),
                 "kv_ranges": main.kv_ranges,
                 "boundary_ranges": main.boundary_ranges,
                 "graphs": main.figures,

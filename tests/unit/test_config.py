@@ -252,3 +252,15 @@ def test_the_default_floors_stop_a_collapse():
 def test_layout_targets_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(overrides=overrides)
+
+
+def test_the_calibration_recipe_is_per_pass():
+    """Each pass takes its own share of one read of the calibration text: the sequences read are those
+    of the pass that takes the most, and a pass cannot ask for more text than is read."""
+    cfg = load_config("tiny")
+    assert cfg.with_overrides(calibration_samples=2, hessian_samples=16).calibration_sequences == 16
+    assert cfg.with_overrides(calibration_samples=32, hessian_samples=4).calibration_sequences == 32
+    with pytest.raises(ConfigError, match="hessian_samples"):
+        cfg.with_overrides(hessian_samples=0)
+    with pytest.raises(ConfigError, match="sensitivity_tokens.*more than the calibration text"):
+        cfg.with_overrides(calibration_samples=1, hessian_samples=1, sensitivity_tokens=129)

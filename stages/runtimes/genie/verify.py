@@ -277,13 +277,15 @@ def near_ties(ref: np.ndarray, ours: np.ndarray, limit: int = 8) -> list[dict[st
 HELDOUT_OFF = "VERIFY_HELDOUT=off (g4v69 verify --no-heldout)"
 
 
-def heldout_sample(cfg: PipelineConfig, encode, bos: int, length: int) -> list[int]:
+def heldout_sample(
+    cfg: PipelineConfig, encode, bos: int, length: int, workdir: Path | None = None
+) -> list[int]:
     """`length` tokens of the held-out text (a BOS, then text), or a VerifyError that says what is
     missing and how to get it or switch the check off."""
     from stages.calibration import CalibrationError, load_texts, token_samples
 
     try:
-        return token_samples(load_texts(cfg, "heldout", None), encode, bos, 1, length)[0]
+        return token_samples(load_texts(cfg, "heldout", None, workdir), encode, bos, 1, length)[0]
     except CalibrationError as e:
         raise VerifyError(
             f"the held-out check cannot run: {e}; or skip it with {HELDOUT_OFF}, which the report records"
@@ -382,7 +384,7 @@ def run_verify(
     # Read before the long runs, so that missing held-out text fails at once.
     sample = None
     if heldout_check:
-        sample = heldout_sample(cfg, tok.encode, int(genie["context"]["bos-token"]), HELDOUT_TOKENS)
+        sample = heldout_sample(cfg, tok.encode, int(genie["context"]["bos-token"]), HELDOUT_TOKENS, workdir)
     stop_ids = set(stop_token_ids(checkpoint_dir))
     room = genie["context"]["size"] - len(prompt_ids) - (-len(prompt_ids)) % cfg.prefill_ar
     max_new_tokens = max(1, min(max_new_tokens, room))
