@@ -89,13 +89,27 @@ def _fit_levels(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     return level, worst
 
 
+def _passes_probe(w: np.ndarray, group: int) -> bool:
+    """Whether the first PROBE_GROUPS groups of `group` inputs fit a grid: read from the first rows
+    only, so a weight on no grid is never converted whole (at E2B that conversion was a tenth of the
+    rounding pass)."""
+    rows = min(w.shape[0], -(-PROBE_GROUPS * group // w.shape[1]))
+    head = np.asarray(w[:rows], dtype=np.float64).reshape(-1, group)[:PROBE_GROUPS]
+    return bool(np.isfinite(head).all()) and _fit_levels(head) is not None
+
+
 def find_grid(w: np.ndarray) -> Grid | None:
     """The integer grid `w` (out, in) sits on, or None. See the module's docstring."""
-    w = np.asarray(w, dtype=np.float64)
-    if w.ndim != 2 or not np.isfinite(w).all() or not np.abs(w).max() > 0:
+    if np.ndim(w) != 2:
         return None
-    out, inp = w.shape
-    for group in (inp, *(g for g in GROUP_SIZES if g < inp and inp % g == 0)):
+    out, inp = np.shape(w)
+    sizes = [g for g in (inp, *(g for g in GROUP_SIZES if g < inp and inp % g == 0)) if _passes_probe(w, g)]
+    if not sizes:
+        return None
+    w = np.asarray(w, dtype=np.float64)
+    if not np.isfinite(w).all() or not np.abs(w).max() > 0:
+        return None
+    for group in sizes:
         groups = w.reshape(out * (inp // group), group)
         fitted = _fit_levels(groups)
         if fitted is None:
