@@ -461,6 +461,23 @@ def qat_markdown(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def e2b_qat_markdown(rows: list[dict[str, Any]]) -> str:
+    return _table_section(
+        "A QAT checkpoint's weights at E2B geometry (random weights put on Q4_0's grid first): finding "
+        "and keeping the grid against GPTQ ignoring it, as `e2b_rounding_costs` times the rounding.",
+        ["weights, quantization", "E2B rounding", "peak per weight", "Hessians"],
+        [
+            [
+                r["scheme"],
+                f"{r['rounding_s'] / 60:.1f} min",
+                f"{r['peak_bytes'] / 2**20:.0f} MiB",
+                f"{r['hessian_bytes'] / GIB:.1f} GiB",
+            ]
+            for r in rows
+        ],
+    )
+
+
 def lut_quality(workdir: Path, bits: tuple[int, ...] = (16, 8, 4)) -> list[dict[str, Any]]:
     """What the per-layer LUT's bits cost on their own: the trained tiny model's float graphs fed
     the Genie LUTs' rows (embedding 16-bit, per-layer LUT at each width) against the same graphs fed
@@ -518,11 +535,35 @@ def lut_markdown(rows: list[dict[str, Any]]) -> str:
     )
 
 
-def e2b_rounding_costs(schemes=QUALITY_SCHEMES, calibration_rows: int = 1024) -> list[dict[str, Any]]:
+# The QAT rows of the E2B rounding cost: weights on Q4_0's grid (int4, one scale per 32 inputs), as
+# google/gemma-4-E2B-it-qat-q4_0-unquantized holds them, their grid kept or ignored.
+QAT_E2B_SCHEMES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("QAT Q4_0 grid, kept (w4a16-lpbq: LPBQ-32)", {"precision": "w4a16-lpbq"}),
+    ("QAT Q4_0 grid, ignored: GPTQ (w4a16-lpbq)", {"precision": "w4a16-lpbq", "checkpoint_grid": "ignore"}),
+)
+
+
+def q4_0_snapped(w: Any, group: int = 32) -> Any:
+    """`w` (in, out) on Q4_0's grid along its inputs, as llama.cpp's Q4_0 rounds it (scale = the
+    group's largest-magnitude value / -8, integers clipped to -8..7), stored as bf16 values."""
+    import numpy as np
+    import torch
+
+    groups = w.T.reshape(-1, group).astype(np.float64)
+    peak = groups[np.arange(len(groups)), np.abs(groups).argmax(axis=1)]
+    d = np.where(peak != 0, peak / -8, 1.0)[:, None]
+    snapped = (np.clip(np.rint(groups / d), -8, 7) * d).reshape(w.shape[1], w.shape[0]).T
+    return torch.from_numpy(snapped.astype(np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def e2b_rounding_costs(
+    schemes=QUALITY_SCHEMES, calibration_rows: int = 1024, on_grid: bool = False
+) -> list[dict[str, Any]]:
     """Each scheme's weight rounding at E2B geometry: one layer of each kind (sliding/full attention,
     6,144/12,288-wide MLP) rounded as quantize rounds it, timed and traced (numpy's allocations), then
     scaled by how many layers of that kind E2B has. Random weights and inputs: rounding time does not
-    depend on the values. The Hessians' memory is counted from the geometry."""
+    depend on the values; `on_grid` puts them on Q4_0's grid first (a QAT checkpoint: finding and
+    keeping the grid is timed with the rounding). The Hessians' memory is counted from the geometry."""
     import time
     import tracemalloc
 
@@ -567,6 +608,8 @@ def e2b_rounding_costs(schemes=QUALITY_SCHEMES, calibration_rows: int = 1024) ->
             rounder = WeightRounder(cfg, {t.name: hessians[t.shape[1]] for t in tensors if gptq})
             for t in tensors:
                 w = (rng.normal(size=(t.shape[1], t.shape[0])) * 0.02).astype(np.float32)
+                if on_grid:
+                    w = q4_0_snapped(w)
                 tracemalloc.reset_peak()
                 t0 = time.perf_counter()
                 rounder.round_weight(t.name, w)  # as quantize does: the scheme, GPTQ, both errors

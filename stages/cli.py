@@ -587,6 +587,8 @@ def bench_quality(obj: Context, output: Path, command_line: str) -> None:
     import tempfile
 
     from stages.bench import (
+        QAT_E2B_SCHEMES,
+        e2b_qat_markdown,
         e2b_rounding_costs,
         lut_markdown,
         lut_quality,
@@ -605,8 +607,14 @@ def bench_quality(obj: Context, output: Path, command_line: str) -> None:
     with tempfile.TemporaryDirectory(prefix=".bench-quality-", dir=obj.workdir) as tmp:
         qat = qat_quality(Path(tmp))
     e2b = e2b_rounding_costs()
-    record = {"tiny": tiny, "e2b_rounding": e2b, "ple_lut": luts, "qat": qat}
-    md = quality_markdown(tiny, e2b, command_line) + lut_markdown(luts) + qat_markdown(qat)
+    e2b_qat = e2b_rounding_costs(QAT_E2B_SCHEMES, on_grid=True)
+    record = {"tiny": tiny, "e2b_rounding": e2b, "ple_lut": luts, "qat": qat, "e2b_qat_rounding": e2b_qat}
+    md = (
+        quality_markdown(tiny, e2b, command_line)
+        + lut_markdown(luts)
+        + qat_markdown(qat)
+        + e2b_qat_markdown(e2b_qat)
+    )
     stem = write_bench_files(output, "weight-schemes", command_line, record, md)
     click.echo(md)
     click.echo(f"written: {stem}.json, .md")

@@ -136,3 +136,16 @@ def test_q4_0s_negative_scales_are_read_and_kept_with_their_plus_8s_clipped():
     # the values at +8 steps (the largest of each such channel, and any other that rounds there)
     plus_8 = int((grid.q[negative] == -8).sum())
     assert rounder.grids[NAME]["clipped"] == plus_8 and negative.sum() <= plus_8 < 2 * negative.sum()
+
+
+def test_the_bench_q4_0_weights_are_on_a_grid_find_grid_reads_back():
+    """bench-quality's E2B QAT rows time weights made by `q4_0_snapped`: they must be what a QAT
+    checkpoint holds (Q4_0's groups of 32, its negative scales, bf16), or the row times nothing."""
+    pytest.importorskip("torch")
+    from stages.bench import q4_0_snapped
+
+    w = (np.random.default_rng(3).normal(size=(256, 48)) * 0.02).astype(np.float32)
+    grid = find_grid(q4_0_snapped(w).T)
+    assert grid is not None and (grid.bits, grid.group) == (4, 32)
+    assert (grid.scale < 0).any() and (grid.scale > 0).any()
+    assert grid.rel_rms_error < 0.01
