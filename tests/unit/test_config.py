@@ -23,12 +23,14 @@ def test_default_preset_is_the_real_job():
     assert (cfg.target_phone_ram_gb, cfg.ttft_prompt_tokens, cfg.max_ttft_s) == (8, 512, 1.0)
     assert cfg.min_decode_tokens_per_s == 20.0
     assert cfg.compiler == "local" and cfg.ple_policy == "float16"
-    # The original plan's 20 x 2048, through the AR-128 calibration twin.
+    # The measured recipe (make bench-calibration), through the AR-128 calibration twin: ranges on 4
+    # windows of 2048 tokens, Hessians on 8, the sensitivity on 128 tokens; 8 windows read.
     assert (cfg.calibration_dataset, cfg.calibration_samples, cfg.calibration_tokens) == (
         "wikitext-2-raw-v1",
-        20,
+        4,
         2048,
     )
+    assert (cfg.hessian_samples, cfg.sensitivity_tokens, cfg.calibration_sequences) == (8, 128, 8)
     assert cfg.calibration_ar == 128
     assert cfg.kv_cache_bits == 8  # v69 has no 16x16 matmul
     assert cfg.checkpoint_name == "gemma-4-e2b-it"
