@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from stages.config import PipelineConfig
+from stages.errors import UserFixable
 from stages.tiny_model import CORPUS_DIR
 
 # WikiText-2 (raw) on the Hub: the dataset repo and its config. A local copy of the repo's files under
@@ -32,7 +33,7 @@ DATASETS_FOLDER = "datasets"
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
-class CalibrationError(ValueError):
+class CalibrationError(UserFixable, ValueError):
     pass
 
 

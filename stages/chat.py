@@ -11,11 +11,13 @@ import json
 import re
 from pathlib import Path
 
+from stages.errors import UserFixable
+
 # An -it model ends its turn with <turn|>, almost never with the bare <eos> (docs/facts.md §1).
 END_OF_TURN = "<turn|>"
 
 
-class ChatError(ValueError):
+class ChatError(UserFixable, ValueError):
     pass
 
 

@@ -12,6 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from stages.errors import UserFixable
 from stages.geometry import Geometry, GeometryError, Tensor, geometry_from_config, text_config_of
 from stages.report import sha256_file
 
@@ -21,7 +22,7 @@ INDEX_NAME = "model.safetensors.index.json"
 GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserFixable, ValueError):
     pass
 
 

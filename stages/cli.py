@@ -20,23 +20,20 @@ from stages.command import Context, UserError
 from stages.config import (
     DEFAULT_PRESET,
     FIELD_NAMES,
-    ConfigError,
     PipelineConfig,
     field_doc,
     load_config,
 )
-from stages.geometry import GeometryError, builtin_geometry, load_geometry
-from stages.graphs import PartitionError
+from stages.errors import UserFixable
+from stages.geometry import builtin_geometry, load_geometry
 from stages.pipeline import PIPELINE, STAGE_NAMES, output_dir, stage
 from stages.quiet import quiet_libraries
 from stages.report import (
-    DiskSpaceError,
-    IntegrityError,
     read_report,
     write_json_atomic,
 )
 from stages.results import StageReport
-from stages.runtimes import RuntimeFailure, get_runtime
+from stages.runtimes import get_runtime
 
 
 def _os_error_line(e: OSError) -> str | None:
@@ -84,7 +81,7 @@ class Main(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (IntegrityError, DiskSpaceError) as e:
+        except UserFixable as e:  # every stage's errors a user can act on, mapped here once
             raise UserError(str(e)) from None
         except OSError as e:
             line = _os_error_line(e)
@@ -130,10 +127,7 @@ def main(ctx: click.Context, preset: str, workdir: Path, **overrides: str | None
     if ctx.resilient_parsing:
         return
     quiet_libraries()
-    try:
-        cfg = load_config(preset, overrides)
-    except ConfigError as e:
-        raise UserError(str(e)) from None
+    cfg = load_config(preset, overrides)
     ctx.obj = Context(config=cfg, workdir=workdir)
 
 
@@ -163,24 +157,21 @@ def generate(
     as_json: bool,
 ) -> None:
     """Run a prompt through the exported graphs on the host (onnxruntime), as the phone would."""
-    from stages.chat import ChatError, ChatTokenizer
-    from stages.checkpoint import CheckpointError, stop_token_ids
+    from stages.chat import ChatTokenizer
+    from stages.checkpoint import stop_token_ids
     from stages.results import ExportResult, require_result
-    from stages.runner import HostRunner, RunnerError, Sampling
+    from stages.runner import HostRunner, Sampling
 
     export_dir = require_result(obj.workdir, "export", ExportResult, UserError).folder
-    try:
-        runner = HostRunner.from_export(export_dir, luts=luts)
-        tok = ChatTokenizer(obj.checkpoint_dir())
-        ids = tok.encode(prompt) if raw else tok.chat_ids(prompt, system)
-        gen = runner.generate(
-            ids,
-            max_new_tokens,
-            set(stop_token_ids(obj.checkpoint_dir())),
-            Sampling(temperature, top_k, top_p, seed),
-        )
-    except (ChatError, RunnerError, CheckpointError) as e:
-        raise UserError(str(e)) from None
+    runner = HostRunner.from_export(export_dir, luts=luts)
+    tok = ChatTokenizer(obj.checkpoint_dir())
+    ids = tok.encode(prompt) if raw else tok.chat_ids(prompt, system)
+    gen = runner.generate(
+        ids,
+        max_new_tokens,
+        set(stop_token_ids(obj.checkpoint_dir())),
+        Sampling(temperature, top_k, top_p, seed),
+    )
     text = tok.decode(gen.tokens)
     figures = {
         "prompt_tokens": len(ids),
@@ -220,10 +211,7 @@ def bundle(obj: Context, check_manifest_path: Path | None) -> None:
             raise UserError(f"{folder} does not match {check_manifest_path}: " + "; ".join(problems[:10]))
         click.echo(f"{folder} matches {check_manifest_path}")
         return
-    try:
-        report = runtime.package(obj.config, obj.workdir, obj.checkpoint_dir())
-    except RuntimeFailure as e:
-        raise UserError(str(e)) from None
+    report = runtime.package(obj.config, obj.workdir, obj.checkpoint_dir())
     fig = StageReport.from_dict(report).figures
     click.echo(
         f"{obj.workdir / 'genie_bundle'}: {fig['name']}, {fig['files']} files, {fig['bytes'] / 1e6:.1f} MB; "
@@ -293,20 +281,17 @@ def verify(
     """Check genie_bundle/ on the host: hashes, binaries vs config, the bundle under the real Genie and
     the binaries under a Genie emulator vs transformers; into verify/."""
     runtime = get_runtime(obj.config.runtime)
-    try:
-        report = runtime.check(
-            obj.config,
-            obj.workdir,
-            obj.checkpoint_dir(),
-            prompt,
-            max_new_tokens=max_new_tokens,
-            min_prefix=min_prefix,
-            min_top1=min_top1,
-            heldout_check=heldout,
-            real_genie=real_genie,
-        )
-    except RuntimeFailure as e:
-        raise UserError(str(e)) from None
+    report = runtime.check(
+        obj.config,
+        obj.workdir,
+        obj.checkpoint_dir(),
+        prompt,
+        max_new_tokens=max_new_tokens,
+        min_prefix=min_prefix,
+        min_top1=min_top1,
+        heldout_check=heldout,
+        real_genie=real_genie,
+    )
     fig = StageReport.from_dict(report).figures
     held = fig["heldout"]
     click.echo(f"prompt: {prompt}")
@@ -364,10 +349,7 @@ def push(obj: Context) -> None:
     bundle_dir, serial, adb = _device_args(obj)
     sdk = os.environ.get("QNN_SDK_ROOT")
     runtime = get_runtime(obj.config.runtime)
-    try:
-        fig = runtime.push(bundle_dir, Path(sdk) if sdk else None, serial, adb)
-    except RuntimeFailure as e:
-        raise UserError(str(e)) from None
+    fig = runtime.push(bundle_dir, Path(sdk) if sdk else None, serial, adb)
     click.echo(
         f"{fig['device']} ({fig['model']}): {fig['remote_dir']}: {fig['files_pushed']} files pushed, "
         f"{fig['files_skipped']} already there, {fig['bytes_pushed'] / 1e6:.1f} MB in {fig['seconds']:.1f} s "
@@ -387,10 +369,7 @@ def run_(obj: Context, prompt: str) -> None:
     """Run PROMPT on the phone with genie-t2t-run; streams the answer and reports tokens/s."""
     bundle_dir, serial, adb = _device_args(obj)
     runtime = get_runtime(obj.config.runtime)
-    try:
-        fig = runtime.run(bundle_dir, prompt, serial, adb)
-    except RuntimeFailure as e:
-        raise UserError(str(e)) from None
+    fig = runtime.run(bundle_dir, prompt, serial, adb)
     click.echo()
 
     def rate(v: float | None) -> str:
@@ -464,10 +443,7 @@ def expected_time(obj: Context, unless_bundled: bool) -> None:
 
     if unless_bundled and read_report(output_dir(obj.workdir, "bundle")) is not None:
         return
-    try:
-        geo = _plan_geometry(obj, None)
-    except GeometryError as e:
-        raise UserError(str(e)) from None
+    geo = _plan_geometry(obj, None)
     click.echo(_expected_time(obj.config, make_plan(geo, obj.config).params["total"]))
 
 
@@ -491,15 +467,12 @@ def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Pa
     from stages.plan import render_plan
 
     cfg = obj.config
-    try:
-        geo = _plan_geometry(obj, checkpoint_config)
-        result = make_plan(geo, cfg)
-        layouts = make_layouts(geo, cfg)
-        refused = get_runtime(cfg.runtime).layout_problems(cfg, geo)
-        if refused:
-            raise UserError(refused[0])
-    except (GeometryError, PartitionError) as e:
-        raise UserError(str(e)) from None
+    geo = _plan_geometry(obj, checkpoint_config)
+    result = make_plan(geo, cfg)
+    layouts = make_layouts(geo, cfg)
+    refused = get_runtime(cfg.runtime).layout_problems(cfg, geo)
+    if refused:
+        raise UserError(refused[0])
     data = {"config": cfg.to_dict(), **result.to_dict(), "layouts": [asdict(lay) for lay in layouts]}
     try:
         data["layout_rule"] = {"rule": LAYOUT_RULE, "picks": rule_layout(layouts, cfg).name}

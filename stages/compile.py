@@ -40,10 +40,11 @@ from typing import Any
 import click
 
 from stages.aihub import AihubError, compile_aihub
-from stages.command import Context, UserError
+from stages.command import Context
 from stages.config import PipelineConfig
 from stages.contract import CACHE_PREFIX
 from stages.encoding import IoTensor, QdqGraph, prepare_io, shared_tensor_mismatches
+from stages.errors import UserFixable
 from stages.graphs import Binary, binary_layout, qdq_file_name
 from stages.quiet import call_without_native_noise
 from stages.report import (
@@ -71,7 +72,7 @@ COMPILE_RSS_OVERHEAD = 600 << 20
 COMPILER_ESTIMATE = re.compile(r"estimated allocation of (\d+) KB, limit is (\d+) KB")
 
 
-class CompileError(ValueError):
+class CompileError(UserFixable, ValueError):
     """The compile cannot go on; the message says what failed, where, and what to do."""
 
 
@@ -586,12 +587,9 @@ def _compile_all_local(soc: Soc, layout: list[Binary], paths: dict[str, Path], o
 @click.pass_obj
 def command(obj: Context, jobs: int | None) -> None:
     """QNN context binaries for the SoC's HTP into compiled/ (compiler: local or aihub)."""
-    from stages.compile import CompileError, run_compile
+    from stages.compile import run_compile
 
-    try:
-        report = run_compile(obj.config, obj.workdir, jobs)
-    except CompileError as e:
-        raise UserError(str(e)) from None
+    report = run_compile(obj.config, obj.workdir, jobs)
     c = CompileResult(obj.workdir / "compiled", StageReport.from_dict(report))
     total = sum(b["bytes"] for b in c.binaries)
     # The binaries compile in child processes; the stage's own peak RSS misses theirs.

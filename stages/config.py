@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from stages.errors import UserFixable
 from stages.pipeline import PIPELINE, RUNTIMES, STAGE_NAMES
 from stages.precision import (
     DECODER_ROLE,
@@ -49,7 +50,7 @@ CALIBRATION_DATASETS = ("wikitext-2-raw-v1", "files")
 VERIFY_ENGINES = ("htp", "replay", "cpu")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserFixable, ValueError):
     """A config value is wrong; the message names the field and what it may be."""
 
     def __init__(self, field_name: str, message: str):

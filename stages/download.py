@@ -25,8 +25,9 @@ import click
 
 from stages.builtin_models import BUILTIN_TEXT_CONFIGS, DEFAULT_MAX_SHARD_BYTES, write_random_checkpoint
 from stages.checkpoint import CheckpointSummary, RemoteFile, validate_checkpoint
-from stages.command import Context, UserError
+from stages.command import Context
 from stages.config import is_repo_id
+from stages.errors import UserFixable
 from stages.report import redact, stage_output
 
 # The files of a snapshot this pipeline uses (huggingface_hub allow_patterns; fnmatch rules).
@@ -45,7 +46,7 @@ DISK_MARGIN = 0.10
 HF_URL = "https://huggingface.co"
 
 
-class DownloadError(Exception):
+class DownloadError(UserFixable):
     """A problem the user can fix; the message is one line and names the file or setting at fault."""
 
 
@@ -290,15 +291,11 @@ def run_download(
 @click.pass_obj
 def command(obj: Context, from_dir: Path | None) -> None:
     """Fetch the checkpoint (or make a built-in model) into checkpoints/<name>/, validated."""
-    from stages.checkpoint import CheckpointError
-    from stages.download import DownloadError, run_download
+    from stages.download import run_download
 
     cfg = obj.config
     out = obj.checkpoint_dir()
-    try:
-        figures = run_download(cfg.model, cfg.model_revision, out, from_dir=from_dir)
-    except (DownloadError, CheckpointError) as e:
-        raise UserError(str(e)) from None
+    figures = run_download(cfg.model, cfg.model_revision, out, from_dir=from_dir)
     obj.download_done()
     click.echo(
         f"{out}: {figures['files']} files, {figures['bytes'] / 1e9:.3f} GB, "

@@ -26,10 +26,11 @@ import click
 import numpy as np
 
 from stages.checkpoint import Checkpoint
-from stages.command import Context, UserError
+from stages.command import Context
 from stages.config import PipelineConfig
 from stages.contract import ATTENTION_MASK_MIN, GraphSpec, graph_specs
 from stages.encoding import pack_nibbles
+from stages.errors import UserFixable
 from stages.geometry import Geometry
 from stages.report import REPORT_NAME, StageJob, read_report
 from stages.results import ExportResult, StageReport
@@ -47,7 +48,7 @@ LUT_BLOCK_ROWS = 8192
 CHECK_TOLERANCE = 1e-3
 
 
-class ExportError(ValueError):
+class ExportError(UserFixable, ValueError):
     pass
 
 
@@ -283,13 +284,9 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
 @click.pass_obj
 def command(obj: Context) -> None:
     """Static-shape ONNX part graphs (prefill + decode) and the host LUTs into exported/."""
-    from stages.checkpoint import CheckpointError
-    from stages.export import ExportError, run_export
+    from stages.export import run_export
 
-    try:
-        report = run_export(obj.config, obj.workdir, obj.checkpoint_dir())
-    except (ExportError, CheckpointError) as e:
-        raise UserError(str(e)) from None
+    report = run_export(obj.config, obj.workdir, obj.checkpoint_dir())
     e = ExportResult(obj.workdir / "exported", StageReport.from_dict(report))
     click.echo(
         f"{e.folder}: {len(e.graphs)} graphs over {len(e.parts)} parts, {e.report.wall_s:.1f} s, "

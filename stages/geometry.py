@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stages.errors import UserFixable
+
 # Gemma 4 E2B text config, as in google/gemma-4-E2B-it's config.json (text_config); see docs/facts.md §1.
 E2B_TEXT_CONFIG: dict[str, Any] = {
     "model_type": "gemma4_text",
@@ -117,7 +119,7 @@ class Layer:
         return sum(t.numel for t in self.tensors)
 
 
-class GeometryError(ValueError):
+class GeometryError(UserFixable, ValueError):
     pass
 
 

@@ -11,6 +11,7 @@ from functools import cache
 from pathlib import Path
 
 from stages.config import PipelineConfig
+from stages.errors import UserFixable
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def binary_layout(cfg: PipelineConfig) -> list[Binary]:
     return layout
 
 
-class PartitionError(ValueError):
+class PartitionError(UserFixable, ValueError):
     pass
 
 

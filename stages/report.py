@@ -24,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stages.errors import UserFixable
 from stages.pipeline import PIPELINE
 
 if TYPE_CHECKING:
@@ -81,12 +82,12 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return _hashed[key]
 
 
-class IntegrityError(RuntimeError):
+class IntegrityError(UserFixable, RuntimeError):
     """A stage's input differs from what the stage that made it recorded; the message names the file
     and the Make target that makes it again."""
 
 
-class DiskSpaceError(RuntimeError):
+class DiskSpaceError(UserFixable, RuntimeError):
     """Not enough free disk for a write the stage is about to make."""
 
 

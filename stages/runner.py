@@ -30,6 +30,7 @@ from stages.contract import (
     rope_name,
 )
 from stages.encoding import LutFile
+from stages.errors import UserFixable
 from stages.geometry import FULL, SLIDING, Geometry
 from stages.graphs import CALIBRATION_ROLE, qdq_file_name
 
@@ -37,7 +38,7 @@ from stages.graphs import CALIBRATION_ROLE, qdq_file_name
 FOLD_LIMIT_BYTES = 1 << 40
 
 
-class RunnerError(RuntimeError):
+class RunnerError(UserFixable, RuntimeError):
     pass
 
 

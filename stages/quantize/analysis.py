@@ -15,6 +15,7 @@ from stages.contract import (
     PER_LAYER_EMBEDS,
     PER_LAYER_INPUTS,
 )
+from stages.errors import UserFixable
 
 # Ops that move or regroup values without changing them: a tensor and its image share an encoding.
 ENCODING_PRESERVING = {"Concat", "Slice", "Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze"}
@@ -40,7 +41,7 @@ PLE_WEIGHT_SUFFIXES = (
 )
 
 
-class QuantizeError(ValueError):
+class QuantizeError(UserFixable, ValueError):
     pass
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from stages.command import Context, UserError
+from stages.command import Context
 from stages.config import PipelineConfig
 from stages.gptq import collect_hessians
 from stages.graphs import calibration_kind, copy_graph, qdq_file_name
@@ -487,21 +487,16 @@ def command(
     provider: str,
 ) -> None:
     """QDQ graphs at the precision for the SoC (8-bit KV on v69), audited, with a quality report."""
-    from stages.calibration import CalibrationError
-    from stages.checkpoint import CheckpointError
 
-    try:
-        report = run_quantize(
-            obj.config,
-            obj.workdir,
-            obj.checkpoint_dir(),
-            list(calibration_files) or None,
-            compare_ple_policies,
-            provider,
-            compare_precisions=compare_precisions,
-        )
-    except (QuantizeError, CalibrationError, CheckpointError) as e:
-        raise UserError(str(e)) from None
+    report = run_quantize(
+        obj.config,
+        obj.workdir,
+        obj.checkpoint_dir(),
+        list(calibration_files) or None,
+        compare_ple_policies,
+        provider,
+        compare_precisions=compare_precisions,
+    )
     r = QuantizeResult(obj.workdir / "quantized", StageReport.from_dict(report))
     q = r.quality[obj.config.ple_policy]
     click.echo(

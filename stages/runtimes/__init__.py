@@ -14,6 +14,7 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from stages.errors import UserFixable
 from stages.pipeline import RUNTIMES
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from stages.geometry import Geometry
 
 
-class RuntimeFailure(ValueError):
+class RuntimeFailure(UserFixable, ValueError):
     """Bad input or a state the user can fix; the message says what failed and what to do. Every
     Runtime method raises this (or a subclass) for those, and the CLI prints it as one line."""
 

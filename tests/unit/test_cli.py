@@ -145,3 +145,43 @@ def test_doctor_never_prints_a_token(g4v69):
     r = g4v69("doctor", env={"HF_TOKEN": "hf_canary_doctor_123"})
     assert r.exit_code == 0 and "HF_TOKEN" in r.output
     assert "hf_canary_doctor_123" not in r.output
+
+
+# The error classes whose messages are meant for the user, module by module (the CLI maps them once).
+USER_ERRORS = {
+    "stages.config": ["ConfigError"],
+    "stages.report": ["IntegrityError", "DiskSpaceError"],
+    "stages.chat": ["ChatError"],
+    "stages.runner": ["RunnerError"],
+    "stages.checkpoint": ["CheckpointError"],
+    "stages.runtimes": ["RuntimeFailure"],
+    "stages.geometry": ["GeometryError"],
+    "stages.graphs": ["PartitionError"],
+    "stages.compile": ["CompileError"],
+    "stages.download": ["DownloadError"],
+    "stages.export": ["ExportError"],
+    "stages.quantize.analysis": ["QuantizeError"],
+    "stages.calibration": ["CalibrationError"],
+}
+
+
+@pytest.mark.parametrize(("module", "name"), [(m, n) for m, names in USER_ERRORS.items() for n in names])
+def test_a_user_error_raised_anywhere_is_one_line_and_exit_status_2(module, name, monkeypatch, g4v69):
+    """No command maps errors itself: any UserFixable that reaches the CLI becomes one line."""
+    import importlib
+
+    from stages.errors import UserFixable
+
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, UserFixable)
+
+    args = ("what failed, where, what to do",)
+    error = cls("soc", *args) if cls.__name__ == "ConfigError" else cls(*args)
+
+    def fail(*_a, **_k):
+        raise error
+
+    monkeypatch.setattr("stages.cli.builtin_geometry", fail)
+    r = g4v69("--preset", "tiny", "plan")
+    assert r.exit_code == 2, r.output
+    assert r.output.strip() == f"Error: {error}"
