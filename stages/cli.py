@@ -25,7 +25,7 @@ from stages.config import (
     load_config,
 )
 from stages.errors import UserFixable
-from stages.geometry import builtin_geometry, load_geometry
+from stages.geometry import load_geometry, resolve_geometry
 from stages.pipeline import PIPELINE, STAGE_NAMES, output_dir, stage
 from stages.quiet import quiet_libraries
 from stages.report import (
@@ -322,8 +322,7 @@ def bench_report(obj: Context, output: Path, command_line: str) -> None:
     from stages.bench import collect, write_results
     from stages.fitting import make_plan
 
-    geo = load_geometry(obj.checkpoint_dir() / "config.json") if obj.checkpoint_dir().is_dir() else None
-    geo = geo or builtin_geometry(obj.config.model)
+    geo = resolve_geometry(obj.config.model, obj.checkpoint_dir())
     plan = {"config": obj.config.to_dict(), **make_plan(geo, obj.config).to_dict()} if geo else None
     path, md = write_results(collect(obj.config, obj.workdir, plan), output, command_line)
     click.echo(md.read_text())
@@ -407,15 +406,8 @@ def show_config(obj: Context, as_json: bool, get: str | None) -> None:
 
 
 def _plan_geometry(obj: Context, checkpoint_config: Path | None):
-    """The geometry the plan prices: the given config.json, else the downloaded checkpoint's, else the
-    built-in one of the model."""
-    if checkpoint_config is None:
-        downloaded = obj.checkpoint_dir() / "config.json"
-        if downloaded.is_file():
-            checkpoint_config = downloaded
-    if checkpoint_config is not None:
-        return load_geometry(checkpoint_config)
-    geo = builtin_geometry(obj.config.model)
+    """The geometry the plan prices (`resolve_geometry`), or what to do when there is none."""
+    geo = resolve_geometry(obj.config.model, obj.checkpoint_dir(), checkpoint_config)
     if geo is None:
         raise UserError(
             f"no geometry for model {obj.config.model!r}: run `make download MODEL={obj.config.model}` "

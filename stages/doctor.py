@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stages.config import PipelineConfig
-from stages.geometry import builtin_geometry
+from stages.geometry import resolve_geometry
 from stages.runtimes.genie.files import QAIRT_RUNTIME_LIBS
 
 # The Python modules each stage imports; the stage images carry exactly these.
@@ -36,9 +36,11 @@ def _modules(names: tuple[str, ...]) -> list[str]:
     return [m for m in names if importlib.util.find_spec(m) is None]
 
 
-def disk_need_bytes(cfg: PipelineConfig) -> int | None:
-    """Rough disk a full run needs (the plan's job_disk_bytes), None without a built-in geometry."""
-    geo = builtin_geometry(cfg.model)
+def disk_need_bytes(cfg: PipelineConfig, workdir: Path) -> int | None:
+    """Rough disk a full run needs (the plan's job_disk_bytes), None without a geometry."""
+    from stages.pipeline import output_dir
+
+    geo = resolve_geometry(cfg.model, output_dir(workdir, "download", cfg.checkpoint_name))
     if geo is None:
         return None
     from stages.fitting import make_plan
@@ -86,7 +88,7 @@ def run_checks(cfg: PipelineConfig, workdir: Path) -> list[Check]:
     while not existing.exists():
         existing = existing.parent
     free = shutil.disk_usage(existing).free
-    need = disk_need_bytes(cfg)
+    need = disk_need_bytes(cfg, workdir)
     if need is None:
         checks.append(Check("disk", "ok", f"{free / 1e9:.0f} GB free in {workdir}"))
     else:

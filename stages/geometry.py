@@ -438,6 +438,18 @@ def builtin_geometry(model: str) -> Geometry | None:
     return geometry_from_config(config) if config else None
 
 
+def resolve_geometry(
+    model: str, checkpoint_dir: Path | None = None, config_json: Path | None = None
+) -> Geometry | None:
+    """The geometry a command prices or checks: the config.json given, else the downloaded checkpoint's
+    (`checkpoint_dir`), else the model's built-in one; None when there is none of them."""
+    if config_json is None and checkpoint_dir is not None and (checkpoint_dir / "config.json").is_file():
+        config_json = checkpoint_dir / "config.json"
+    if config_json is not None:
+        return load_geometry(config_json)
+    return builtin_geometry(model)
+
+
 def load_geometry(config_json: Path | None) -> Geometry:
     """Geometry of a checkpoint's config.json, or of the built-in E2B geometry when None."""
     if config_json is None:

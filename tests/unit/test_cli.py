@@ -181,7 +181,7 @@ def test_a_user_error_raised_anywhere_is_one_line_and_exit_status_2(module, name
     def fail(*_a, **_k):
         raise error
 
-    monkeypatch.setattr("stages.cli.builtin_geometry", fail)
+    monkeypatch.setattr("stages.cli.resolve_geometry", fail)
     r = g4v69("--preset", "tiny", "plan")
     assert r.exit_code == 2, r.output
     assert r.output.strip() == f"Error: {error}"

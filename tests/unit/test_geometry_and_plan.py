@@ -1,6 +1,7 @@
 """The E2B figures must agree with docs/facts.md §1 (counted there on the meta device)."""
 
 import itertools
+import json
 import re
 
 import pytest
@@ -365,3 +366,19 @@ def test_layouts_are_only_those_genie_accepts():
     cfg = load_config("tiny")
     ars = {lay.prefill_ar for lay in make_layouts(geo, cfg)}
     assert max(ars) <= geo.sliding_window  # a wider prefill overflows the sliding-window group
+
+
+def test_resolve_geometry_prefers_the_config_given_then_the_download_then_the_builtin(tmp_path):
+    from stages.geometry import builtin_geometry, e2b_geometry, resolve_geometry
+
+    downloaded = tmp_path / "checkpoints" / "gemma-4-e2b-it"
+    assert resolve_geometry("google/gemma-4-E2B-it", downloaded) == builtin_geometry("google/gemma-4-E2B-it")
+    assert resolve_geometry("someone/unknown-model", downloaded) is None
+    downloaded.mkdir(parents=True)
+    tiny = json.loads(json.dumps(TINY_GEMMA4_CONFIG))
+    (downloaded / "config.json").write_text(json.dumps(tiny))
+    from_download = resolve_geometry("someone/unknown-model", downloaded)
+    assert from_download is not None and from_download != e2b_geometry()
+    given = tmp_path / "other.json"
+    given.write_text(json.dumps(tiny))
+    assert resolve_geometry("google/gemma-4-E2B-it", None, given) == from_download
