@@ -310,14 +310,12 @@ def collect_hessians(
 
     collector = HessianCollector(watched)
     options = session_options()
-    try:
-        for spec, src in runner.graphs["prefill"]:
-            runner.use_session(src, collector.session_for(spec.name, src, scratch, options))
-        runner.observer = collector.observe
+    with runner.standing_in(
+        "prefill",
+        lambda spec, src: collector.session_for(spec.name, src, scratch, options),
+        collector.observe,
+    ):
         total = sum(-(-len(s) // runner.prefill_ar) for s in samples)
         with tqdm(total=total, desc="weight rounding statistics", unit="call", leave=False) as progress:
             runner.prefill_samples(samples, progress)
-    finally:
-        runner.observer = None
-        runner.release("prefill")
     return collector.hessians

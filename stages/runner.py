@@ -12,7 +12,8 @@ Export tests, quantize calibration and verify all use this one runner.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -336,6 +337,27 @@ class HostRunner:
         """Run `session` (anything with onnxruntime's run(names, feeds)) for the graph at `path` until
         its kind is released: the quantize stage's calibrators stand in for the graphs this way."""
         self._sessions[path] = session
+
+    @contextmanager
+    def standing_in(
+        self,
+        role: str,
+        session_for: Callable[[GraphSpec, Path], Any],
+        observer: Callable[[GraphSpec, dict[str, np.ndarray], dict[str, np.ndarray], int], None]
+        | None = None,
+    ) -> Iterator[None]:
+        """Within the block, `session_for(spec, path)` runs for each graph of `role` (a calibrator, a
+        Hessian collector, a graph fed other weights) and `observer` sees every call; after it, those
+        stand-ins are released and the graphs' own sessions come back on use. The quantize stage's
+        passes over the float chain all run this way."""
+        try:
+            for spec, path in self.graphs[role]:
+                self.use_session(path, session_for(spec, path))
+            self.observer = observer
+            yield
+        finally:
+            self.observer = None
+            self.release(role)
 
     def load(self, role: str) -> None:
         """Build the sessions of one graph kind now (so timings do not include loading)."""

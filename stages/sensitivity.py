@@ -86,26 +86,27 @@ def measure(runner, dequantized: dict[str, Any], samples: list[list[int]], scrat
     cache.
     `dequantized` maps weight name -> a function returning its rounded float values (made one at a
     time: E2B's weights as float are 7 GB)."""
+    import onnx
+    import onnxruntime as ort
+
     from stages.progress import tqdm
     from stages.runner import session_options
 
     overrides: dict[str, np.ndarray] = {}
     options = session_options()
     owner: dict[str, Path] = {}
-    try:
-        import onnxruntime as ort
 
-        for spec, src in runner.graphs["prefill"]:
-            import onnx
+    def fed(spec, src: Path) -> _WeightFed:
+        inits = {i.name for i in onnx.load(str(src), load_external_data=False).graph.initializer}
+        names = set(dequantized) & inits
+        copy, values = _weights_as_inputs(src, names, scratch / spec.name)
+        session = ort.InferenceSession(str(copy), options, providers=["CPUExecutionProvider"])
+        for f in list(copy.parent.iterdir()):  # the session holds what it needs
+            f.unlink()
+        owner.update(dict.fromkeys(names, src))
+        return _WeightFed(session, values, overrides)
 
-            inits = {i.name for i in onnx.load(str(src), load_external_data=False).graph.initializer}
-            names = set(dequantized) & inits
-            copy, values = _weights_as_inputs(src, names, scratch / spec.name)
-            session = ort.InferenceSession(str(copy), options, providers=["CPUExecutionProvider"])
-            for f in list(copy.parent.iterdir()):  # the session holds what it needs
-                f.unlink()
-            runner.use_session(src, _WeightFed(session, values, overrides))
-            owner.update(dict.fromkeys(names, src))
+    with runner.standing_in("prefill", fed):
 
         def logits() -> np.ndarray:
             rows = []
@@ -122,5 +123,3 @@ def measure(runner, dequantized: dict[str, Any], samples: list[list[int]], scrat
             costs[name] = mean_kl(reference, logits())
             overrides.clear()
         return costs
-    finally:
-        runner.release("prefill")

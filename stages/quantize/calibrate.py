@@ -507,50 +507,50 @@ def calibrate_kind(
             states.append((runner.snapshot(), tail))
         runner.release("prefill")
     calibrators: dict[str, ChainCalibrator] = {}
+    loading = tqdm(total=len(runner.graphs[role]), desc=f"load {role} calibrators", unit="graph", leave=False)
+
+    def calibrator(spec, src: Path) -> Any:
+        work = scratch / spec.name
+        work.mkdir(parents=True)
+        copy_graph(src, work)
+        # Which tensors get calibrated follows which nodes are quantized (the excluded PLE paths get
+        # none); the overrides only replace ranges afterwards, so no ranges are needed yet.
+        excluded = excluded_nodes(cfg, analyse(onnx.load(str(src), load_external_data=False)))
+        qcfg = qnn_config(
+            work / src.name,
+            None,
+            None,
+            excluded,
+            calibration_providers,
+            method,
+            graph_stride(stride, expected),
+        )
+        calibrators[spec.name] = ChainCalibrator(work / src.name, qcfg, expected, work, work / "ranges.json")
+        # Its session holds what it needs: drop the copy and the augmented graph (a part's weights
+        # each), so the scratch space is that of one graph, not of every graph of the kind.
+        for f in list(work.iterdir()):
+            f.unlink()
+        loading.update()
+        return calibrators[spec.name].session
+
     try:
-        for spec, src in tqdm(
-            runner.graphs[role], desc=f"load {role} calibrators", unit="graph", leave=False
-        ):
-            work = scratch / spec.name
-            work.mkdir(parents=True)
-            copy_graph(src, work)
-            # Which tensors get calibrated follows which nodes are quantized (the excluded PLE paths get
-            # none); the overrides only replace ranges afterwards, so no ranges are needed yet.
-            excluded = excluded_nodes(cfg, analyse(onnx.load(str(src), load_external_data=False)))
-            qcfg = qnn_config(
-                work / src.name,
-                None,
-                None,
-                excluded,
-                calibration_providers,
-                method,
-                graph_stride(stride, expected),
-            )
-            calibrators[spec.name] = ChainCalibrator(
-                work / src.name, qcfg, expected, work, work / "ranges.json"
-            )
-            runner.use_session(src, calibrators[spec.name].session)
-            # Its session holds what it needs: drop the copy and the augmented graph (a part's weights
-            # each), so the scratch space is that of one graph, not of every graph of the kind.
-            for f in list(work.iterdir()):
-                f.unlink()
-        runner.observer = collector.observe if collector else None
-        with tqdm(total=expected, desc=f"calibrate {role} graphs", unit="call", leave=False) as progress:
-            if role == "prefill":
-                runner.prefill_samples(samples, progress)
-            else:
-                for state, tail in states:
-                    runner.restore(state)
-                    for tok in tail:
-                        if runner.position + 1 > runner.context:
-                            break
-                        runner.step([tok], role="decode")
-                        progress.update()
-        for cal in calibrators.values():
-            cal.finish()
+        with runner.standing_in(role, calibrator, collector.observe if collector else None):
+            loading.close()
+            with tqdm(total=expected, desc=f"calibrate {role} graphs", unit="call", leave=False) as progress:
+                if role == "prefill":
+                    runner.prefill_samples(samples, progress)
+                else:
+                    for state, tail in states:
+                        runner.restore(state)
+                        for tok in tail:
+                            if runner.position + 1 > runner.context:
+                                break
+                            runner.step([tok], role="decode")
+                            progress.update()
+            for cal in calibrators.values():
+                cal.finish()
     finally:
-        runner.observer = None
-        runner.release(role)
+        loading.close()
         for cal in calibrators.values():
             if cal.thread.is_alive():
                 cal.reader.inbox.put(None)  # a failed pass: let the calibrator threads end
