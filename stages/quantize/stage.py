@@ -70,9 +70,6 @@ def quantize_graphs(
     """Calibrate every graph (one chain pass per graph kind), then quantize, rewrite the weights to the
     precision's scheme and audit each graph. The prefill pass also fixes the KV and cross-part ranges
     that every graph shares, so prefill graphs are quantized before the decode pass runs."""
-    import shutil
-
-    import onnx
 
     from stages.progress import tqdm
     from stages.runner import HostRunner
@@ -135,7 +132,6 @@ def quantize_graphs(
             write_t0 = time.perf_counter()
             for spec, src in runner.graphs[role]:
                 t0 = time.perf_counter()
-                calibrated_on = spec.name
                 if chain is twin:
                     twin_spec, twin_src = twin.graphs["prefill"][spec.part - 1]
                     calibrated_on = twin_spec.name
@@ -144,33 +140,19 @@ def quantize_graphs(
                         twin_src, src, ranges_file, Path(tmp) / f"{spec.name}.ranges.json"
                     )
                 else:
+                    calibrated_on = spec.name
                     ranges_file, count, graph_stride_used = calibrated[spec.name]
-                model = onnx.load(str(src), load_external_data=False)
-                analysis = analyse(model)
-                io_names = {t.name for t in (*model.graph.input, *model.graph.output)}
-                del model
-                overrides, excluded = quant_settings(cfg, analysis, ranges, io_names, luts)
-                linked = copy_graph(src, Path(tmp) / spec.name / "quantize")
-                qcfg = qnn_config(
-                    linked, None, overrides, excluded, calibration_providers, method, graph_stride_used
-                )
                 dest = out_dir / qdq_file_name(spec.name)
-                quantize_with_ranges(linked, dest, qcfg, ranges_file)
-                shutil.rmtree(linked.parent)
-                if rounder is not None:
-                    rewrite_weights(cfg, src, dest, rounder)
-                qmodel = onnx.load(str(dest), load_external_data=False)
-                lut_inputs = lut_input_encodings(luts, {i.name for i in qmodel.graph.input})
-                if read_lut_inputs_quantized(qmodel, lut_inputs):
-                    # Weights stay where they are: an external-data graph keeps its references.
-                    onnx.save(qmodel, str(dest))
-                checked = audit(
+                checked, analysis = _write_graph(
                     cfg,
-                    qmodel,
-                    analysis,
-                    lut_inputs,
-                    rounder.int8_weights if rounder else frozenset(),
-                    {n: rounder.rounded[n] for n in rounder.kept} if rounder else None,
+                    src,
+                    dest,
+                    ranges_file,
+                    ranges,
+                    luts,
+                    rounder,
+                    Path(tmp) / spec.name,
+                    (calibration_providers, method, graph_stride_used),
                 )
                 result.problems += [f"{spec.name}: {p}" for p in checked["problems"]]
                 result.paths[spec.name] = dest
@@ -199,6 +181,51 @@ def quantize_graphs(
     assert result is not None  # every export has prefill graphs
     result.clock = clock
     return result
+
+
+def _write_graph(
+    cfg: PipelineConfig,
+    src: Path,
+    dest: Path,
+    ranges_file: Path,
+    ranges,
+    luts: dict[str, Any],
+    rounder: WeightRounder | None,
+    scratch: Path,
+    calibration: tuple[list[str] | None, str, int | None],
+) -> tuple[dict[str, Any], Any]:
+    """One graph quantized from its saved ranges into `dest`, its weights rewritten to the precision's
+    schemes, its LUT-fed inputs read quantized, then audited: (the audit, the float graph's analysis).
+    `calibration` is what the ranges were made with (providers, method, stride)."""
+    import shutil
+
+    import onnx
+
+    model = onnx.load(str(src), load_external_data=False)
+    analysis = analyse(model)
+    io_names = {t.name for t in (*model.graph.input, *model.graph.output)}
+    del model
+    overrides, excluded = quant_settings(cfg, analysis, ranges, io_names, luts)
+    linked = copy_graph(src, scratch / "quantize")
+    qcfg = qnn_config(linked, None, overrides, excluded, *calibration)
+    quantize_with_ranges(linked, dest, qcfg, ranges_file)
+    shutil.rmtree(linked.parent)
+    if rounder is not None:
+        rewrite_weights(cfg, src, dest, rounder)
+    qmodel = onnx.load(str(dest), load_external_data=False)
+    lut_inputs = lut_input_encodings(luts, {i.name for i in qmodel.graph.input})
+    if read_lut_inputs_quantized(qmodel, lut_inputs):
+        # Weights stay where they are: an external-data graph keeps its references.
+        onnx.save(qmodel, str(dest))
+    checked = audit(
+        cfg,
+        qmodel,
+        analysis,
+        lut_inputs,
+        rounder.int8_weights if rounder else frozenset(),
+        {n: rounder.rounded[n] for n in rounder.kept} if rounder else None,
+    )
+    return checked, analysis
 
 
 def _round_weights(
