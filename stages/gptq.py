@@ -224,9 +224,14 @@ def column_errors(w: np.ndarray, dequantized: np.ndarray, h: Hessian) -> np.ndar
 def output_error(w: np.ndarray, dequantized: np.ndarray, h: Hessian) -> float:
     """||X (W - W_q)||^2 / ||X W||^2 on the calibration inputs (the diagonal approximation where only
     the diagonal was kept): the noise-to-signal ratio the rounding adds to this MatMul's output."""
-    num = float(column_errors(w, dequantized, h).sum())
+    return output_errors(w, [dequantized], h)[0]
+
+
+def output_errors(w: np.ndarray, roundings: list[np.ndarray], h: Hessian) -> list[float]:
+    """`output_error` of several roundings of one weight, its signal ||X W||^2 computed once (each
+    term is an in x in x out product: at E2B's 6,144-row weights about a second)."""
     den = float(_column_energy(w, h).sum())
-    return num / den if den > 0 else 0.0
+    return [float(column_errors(w, d, h).sum()) / den if den > 0 else 0.0 for d in roundings]
 
 
 # ---- collecting the Hessians from the float chain ----

@@ -395,7 +395,7 @@ class WeightRounder:
     def round_weight(self, name: str, w: np.ndarray, search: bool = False) -> RoundedWeight:
         """One (in, out) weight rounded to its 4-bit scheme (per channel with `search`: its scales
         searched under GPTQ's output error), with the output error of 4 and 8 bits."""
-        from stages.gptq import output_error
+        from stages.gptq import output_errors
 
         scheme, hessian = expected_scheme(self.cfg, name), self.hessians.get(name)
         kept = self._keep_grid(name, w, scheme) if not search else None
@@ -419,14 +419,8 @@ class WeightRounder:
             (q, scale), block_scales = int4_channel(w, hessian=hessian, search=search), None
             dequantized = q * scale
         hess = hessian or Hessian(np.ones(w.shape[0], np.float32))
-        self.rounded[name] = RoundedWeight(
-            q,
-            scale,
-            block_scales,
-            w.size,
-            output_error(w, dequantized, hess),
-            output_error(w, w + int8_channel_error(w), hess),
-        )
+        error4, error8 = output_errors(w, [dequantized, w + int8_channel_error(w)], hess)
+        self.rounded[name] = RoundedWeight(q, scale, block_scales, w.size, error4, error8)
         return self.rounded[name]
 
     def _keep_grid(
