@@ -39,8 +39,19 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def mean_kl(reference: np.ndarray, other: np.ndarray) -> float:
     """Mean over rows of KL(softmax(reference) || softmax(other)), in nats."""
-    p, q = _log_softmax(reference), _log_softmax(other)
-    return float(np.mean(np.sum(np.exp(p) * (p - q), axis=-1)))
+    return _KlFrom(reference)(other)
+
+
+class _KlFrom:
+    """mean_kl against one reference, its log-probabilities computed once (at E2B's 262k-token
+    vocabulary they were a third of the numpy time of each sensitivity measurement)."""
+
+    def __init__(self, reference: np.ndarray):
+        self.log_p = _log_softmax(reference)
+        self.p = np.exp(self.log_p)
+
+    def __call__(self, other: np.ndarray) -> float:
+        return float(np.mean(np.sum(self.p * (self.log_p - _log_softmax(other)), axis=-1)))
 
 
 class _WeightFed:
@@ -116,10 +127,10 @@ def measure(runner, dequantized: dict[str, Any], samples: list[list[int]], scrat
                     rows.append(runner.step(tokens[i : i + runner.prefill_ar], role="prefill"))
             return np.concatenate(rows)
 
-        reference = logits()
+        kl_from_reference = _KlFrom(logits())
         costs = {}
         for name in tqdm(sorted(owner), desc="measure weight sensitivity", unit="weight", leave=False):
             overrides[name] = np.asarray(dequantized[name](), dtype=np.float32)
-            costs[name] = mean_kl(reference, logits())
+            costs[name] = kl_from_reference(logits())
             overrides.clear()
         return costs
