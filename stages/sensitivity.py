@@ -9,7 +9,9 @@ cost. The costs add up (tiny model: their sum, 0.040, is the all-int4 KL, 0.041)
 most cost per byte at int8 is a knapsack the greedy choice solves well.
 
 Each part's graph is loaded once, with the measured weights turned into graph inputs, so a
-measurement is a chain run with one input swapped, not a new session per weight.
+measurement is a chain run with one input swapped, not a new session per weight; and the parts before
+the weight's own replay what they computed for the reference instead of computing it again (E2B's
+first part holds 15 of its 35 layers, so this saves about a tenth).
 """
 
 from __future__ import annotations
@@ -55,14 +57,25 @@ class _KlFrom:
 
 
 class _WeightFed:
-    """A part's session whose measured weights are inputs: the float values, or an override."""
+    """A part's session whose measured weights are inputs: the float values, or an override. It
+    records its outputs while the reference runs (`recording`), and replays them in order instead of
+    computing (`replaying`) while a weight of a later part is measured: the parts before a weight's own
+    compute exactly what they computed for the reference."""
 
     def __init__(self, session: Any, weights: dict[str, np.ndarray], overrides: dict[str, np.ndarray]):
         self.session, self.weights, self.overrides = session, weights, overrides
+        self.recording = False
+        self.recorded: list[list[np.ndarray]] = []
+        self.replay: Any = None  # an iterator over `recorded` while replaying
 
     def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if self.replay is not None:
+            return next(self.replay)
         mine = {n: self.overrides.get(n, w) for n, w in self.weights.items()}
-        return self.session.run(names, {**feeds, **mine})
+        out = self.session.run(names, {**feeds, **mine})
+        if self.recording:
+            self.recorded.append(out)
+        return out
 
 
 def _weights_as_inputs(src: Path, names: set[str], folder: Path) -> tuple[Path, dict[str, np.ndarray]]:
@@ -105,7 +118,8 @@ def measure(runner, dequantized: dict[str, Any], samples: list[list[int]], scrat
 
     overrides: dict[str, np.ndarray] = {}
     options = session_options()
-    owner: dict[str, Path] = {}
+    owner: dict[str, int] = {}  # weight -> its part
+    parts: dict[int, _WeightFed] = {}
 
     def fed(spec, src: Path) -> _WeightFed:
         inits = {i.name for i in onnx.load(str(src), load_external_data=False).graph.initializer}
@@ -114,8 +128,9 @@ def measure(runner, dequantized: dict[str, Any], samples: list[list[int]], scrat
         session = ort.InferenceSession(str(copy), options, providers=["CPUExecutionProvider"])
         for f in list(copy.parent.iterdir()):  # the session holds what it needs
             f.unlink()
-        owner.update(dict.fromkeys(names, src))
-        return _WeightFed(session, values, overrides)
+        owner.update(dict.fromkeys(names, spec.part))
+        parts[spec.part] = _WeightFed(session, values, overrides)
+        return parts[spec.part]
 
     with runner.standing_in("prefill", fed):
 
@@ -127,10 +142,16 @@ def measure(runner, dequantized: dict[str, Any], samples: list[list[int]], scrat
                     rows.append(runner.step(tokens[i : i + runner.prefill_ar], role="prefill"))
             return np.concatenate(rows)
 
+        for part in parts.values():
+            part.recording = True
         kl_from_reference = _KlFrom(logits())
+        for part in parts.values():
+            part.recording = False
         costs = {}
         for name in tqdm(sorted(owner), desc="measure weight sensitivity", unit="weight", leave=False):
             overrides[name] = np.asarray(dequantized[name](), dtype=np.float32)
+            for index, part in parts.items():
+                part.replay = iter(part.recorded) if index < owner[name] else None
             costs[name] = kl_from_reference(logits())
             overrides.clear()
         return costs
