@@ -243,7 +243,7 @@ bench: | $(call RUNNER_DEP,quant) ## E2B-size bench: every stage to verify, then
 	$(BENCH_CALIBRATION) $(BENCH_FLOORS) $(MAKE) --no-print-directory verify MODEL=$(BENCH_MODEL) \
 	  WORKDIR='$(BENCH_WORKDIR)' $(BENCH_VERIFY)
 	@$(call g4v69,tools) --model $(BENCH_MODEL) --workdir '$(BENCH_WORKDIR)' bench-report \
-	  --output '$(BENCH_RESULTS)' --command 'make bench BENCH_MODEL=$(BENCH_MODEL) $(BENCH_CALIBRATION)'
+	  --output '$(BENCH_RESULTS)' --command '$(strip make bench BENCH_MODEL=$(BENCH_MODEL) $(BENCH_CALIBRATION))'
 
 # In the export image: the bench downloads and exports the tiny models (torch, transformers) as well as
 # quantizing them.

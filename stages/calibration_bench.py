@@ -155,7 +155,7 @@ def recipe_markdown(
         "Each quantize pass that reads the calibration text, swept alone while the others keep the "
         "preset's share. Tiny model: the trained tiny model at w4a16-mixed (every pass runs), 128-token "
         f"sequences, quality of its quantized graphs against its float graphs on {EVAL_SEQUENCES} held-out "
-        "windows; time of the pass itself on this machine.",
+        "windows; time of the pass itself on this machine. (preset): the tiny preset's share.",
         "",
         "| field | value | tokens the pass read | held-out top-1 | KL | pass time |",
         "|---|---|---|---|---|---|",
@@ -171,7 +171,7 @@ def recipe_markdown(
         lines += [
             f"E2B geometry: the pass's time per chain call (per weight and call for the sensitivity) "
             f"measured by {e2b_source}, times the calls each value makes (2048-token sequences through "
-            "the AR-128 calibration twin):",
+            "the AR-128 calibration twin). (preset): the default preset's share.",
             "",
             "| field | value | tokens | estimated time |",
             "|---|---|---|---|",
