@@ -38,17 +38,6 @@ SWEEPS: tuple[Sweep, ...] = (
 TINY_OVERRIDES: dict[str, Any] = {"precision": "w4a16-mixed"}
 
 
-def heldout(cfg, checkpoint_dir: Path, count: int = EVAL_SEQUENCES) -> list[list[int]]:
-    from stages.calibration import load_texts, token_samples
-    from stages.chat import ChatTokenizer
-    from stages.checkpoint import Checkpoint
-    from stages.quantize.stage import sample_length
-
-    tok = ChatTokenizer(checkpoint_dir)
-    bos = Checkpoint(checkpoint_dir).geometry.config.get("bos_token_id", 2)
-    return token_samples(load_texts(cfg, "heldout"), tok.encode, bos, count, sample_length(cfg))
-
-
 def tiny_recipe(workdir: Path, sweeps: tuple[Sweep, ...] = SWEEPS) -> list[dict[str, Any]]:
     """Every sweep value through the quantize stage of the trained tiny model (exported once): held-out
     quality of the quantized graphs against the float graphs, and each pass's time."""
@@ -60,7 +49,7 @@ def tiny_recipe(workdir: Path, sweeps: tuple[Sweep, ...] = SWEEPS) -> list[dict[
     from stages.pipeline import output_dir
     from stages.quality import compare_chains
     from stages.quantize import run_quantize
-    from stages.quantize.calibrate import DECODE_CALIBRATION_STEPS
+    from stages.quantize.stage import heldout_samples
     from stages.results import QuantizeResult, require_result
     from stages.runner import HostRunner
 
@@ -69,8 +58,7 @@ def tiny_recipe(workdir: Path, sweeps: tuple[Sweep, ...] = SWEEPS) -> list[dict[
     run_download("tiny", "main", ckpt)
     run_export(base, workdir, ckpt)
     export_dir = output_dir(workdir, "export")
-    samples = heldout(base, ckpt)
-    decode_steps = min(DECODE_CALIBRATION_STEPS, len(samples[0]) // 2)
+    samples, decode_steps = heldout_samples(base, ckpt, count=EVAL_SEQUENCES)
     rows = []
     for sweep in sweeps:
         for value in sweep.values:
@@ -147,41 +135,36 @@ def e2b_costs(config: dict[str, Any], passes: list[dict[str, Any]], sweeps=SWEEP
 def recipe_markdown(
     tiny: list[dict[str, Any]], e2b: list[dict[str, Any]], e2b_source: str | None, command: str
 ) -> str:
-    lines = [
-        "# The calibration recipe, pass by pass",
-        "",
-        f"Command: `{command}`",
-        "",
+    from stages.bench import _table_section
+
+    def value(r: dict[str, Any]) -> str:
+        return f"{r['value']}{' (preset)' if r['value'] == r['preset_value'] else ''}"
+
+    md = "# The calibration recipe, pass by pass\n\n" + f"Command: `{command}`\n"
+    md += _table_section(
         "Each quantize pass that reads the calibration text, swept alone while the others keep the "
         "preset's share. Tiny model: the trained tiny model at w4a16-mixed (every pass runs), 128-token "
         f"sequences, quality of its quantized graphs against its float graphs on {EVAL_SEQUENCES} held-out "
         "windows; time of the pass itself on this machine. (preset): the tiny preset's share.",
-        "",
-        "| field | value | tokens the pass read | held-out top-1 | KL | pass time |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in tiny:
-        mark = " (preset)" if r["value"] == r["preset_value"] else ""
-        lines.append(
-            f"| {r['field']} | {r['value']}{mark} | {r['pass_tokens']} | {r['top1_agreement']:.3f} | "
-            f"{r['kl_divergence']:.5f} | {r['pass_s']:.1f} s |"
-        )
-    lines.append("")
-    if e2b:
-        lines += [
-            f"E2B geometry: the pass's time per chain call (per weight and call for the sensitivity) "
-            f"measured by {e2b_source}, times the calls each value makes (2048-token sequences through "
-            "the AR-128 calibration twin). (preset): the default preset's share.",
-            "",
-            "| field | value | tokens | estimated time |",
-            "|---|---|---|---|",
-        ]
-        for r in e2b:
-            mark = " (preset)" if r["value"] == r["preset_value"] else ""
-            lines.append(
-                f"| {r['field']} | {r['value']}{mark} | {r['tokens']} | {r['seconds'] / 60:.1f} min |"
-            )
-        lines.append("")
-    else:
-        lines += ["E2B geometry: no committed bench run timed its quantize passes yet.", ""]
-    return "\n".join(lines)
+        ["field", "value", "tokens the pass read", "held-out top-1", "KL", "pass time"],
+        [
+            [
+                r["field"],
+                value(r),
+                str(r["pass_tokens"]),
+                f"{r['top1_agreement']:.3f}",
+                f"{r['kl_divergence']:.5f}",
+                f"{r['pass_s']:.1f} s",
+            ]
+            for r in tiny
+        ],
+    )
+    if not e2b:
+        return md + "\nE2B geometry: no committed bench run timed its quantize passes yet.\n"
+    return md + _table_section(
+        f"E2B geometry: the pass's time per chain call (per weight and call for the sensitivity) "
+        f"measured by {e2b_source}, times the calls each value makes (2048-token sequences through "
+        "the AR-128 calibration twin). (preset): the default preset's share.",
+        ["field", "value", "tokens", "estimated time"],
+        [[r["field"], value(r), str(r["tokens"]), f"{r['seconds'] / 60:.1f} min"] for r in e2b],
+    )

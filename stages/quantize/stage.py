@@ -271,9 +271,10 @@ def sample_length(cfg: PipelineConfig) -> int:
 
 
 def heldout_samples(
-    cfg: PipelineConfig, checkpoint_dir: Path, workdir: Path | None = None
+    cfg: PipelineConfig, checkpoint_dir: Path, workdir: Path | None = None, count: int = EVAL_SAMPLES
 ) -> tuple[list[list[int]], int]:
-    """The held-out token samples quality is measured on, and how many of each run as decode steps."""
+    """The held-out token samples quality is measured on (`count` of them), and how many of each run
+    as decode steps."""
     from stages.calibration import load_texts, token_samples
     from stages.chat import ChatTokenizer
     from stages.checkpoint import Checkpoint
@@ -282,7 +283,7 @@ def heldout_samples(
     tok = ChatTokenizer(checkpoint_dir)
     bos = Checkpoint(checkpoint_dir).geometry.config.get("bos_token_id", 2)
     texts = load_texts(cfg, "heldout", None, workdir)
-    return token_samples(texts, tok.encode, bos, EVAL_SAMPLES, min(length, 512)), min(
+    return token_samples(texts, tok.encode, bos, count, min(length, 512)), min(
         DECODE_CALIBRATION_STEPS, length // 2
     )
 

@@ -54,3 +54,26 @@ def test_the_bench_table_shows_each_pass_and_its_time_per_unit():
         [{"name": "sensitivity", "wall_s": 600.0, "tokens": 128, "units": 200, "unit": "weight"}]
     )
     assert "| sensitivity | 10.0 min | 128 | 200 weights | 3.00 s/weight |" in lines
+
+
+def test_the_recipe_table_marks_each_preset_share_and_says_when_e2b_is_unpriced():
+    from stages.calibration_bench import recipe_markdown
+
+    tiny = [
+        {
+            "field": "hessian_samples",
+            "value": v,
+            "preset_value": 8,
+            "pass_tokens": v * 128,
+            "top1_agreement": 0.96,
+            "kl_divergence": 0.005,
+            "pass_s": 1.0,
+        }
+        for v in (4, 8)
+    ]
+    md = recipe_markdown(tiny, [], None, "make bench-calibration")
+    assert "| hessian_samples | 8 (preset) | 1024 | 0.960 | 0.00500 | 1.0 s |" in md
+    assert "| hessian_samples | 4 | 512 |" in md
+    assert "no committed bench run timed its quantize passes" in md
+    e2b = [{"field": "hessian_samples", "value": 8, "preset_value": 8, "tokens": 16384, "seconds": 660.0}]
+    assert "| hessian_samples | 8 (preset) | 16384 | 11.0 min |" in recipe_markdown(tiny, e2b, "x.json", "c")
