@@ -426,6 +426,109 @@ def save_qat_checkpoint(dest: Path, kind: str) -> Path:
     return dest
 
 
+# The compressed-tensors schemes of the QAT fixtures: (module pattern, bits, strategy, group size,
+# bits of a static input-activation scale or None).
+CompressedScheme = tuple[str, int, str, "int | None", "int | None"]
+QAT_LINEARS = r"re:.*layers\.\d+\.(self_attn|mlp)\..*_proj$"
+COMPRESSED_SCHEMES: dict[str, tuple[CompressedScheme, ...]] = {
+    "channel": ((QAT_LINEARS, 4, "channel", None, None),),
+    "group32": ((QAT_LINEARS, 4, "group", 32, None),),
+}
+
+
+def save_compressed_checkpoint(
+    dest: Path, kind: str, schemes: tuple[CompressedScheme, ...] | None = None
+) -> Path:
+    """The QAT tiny fixture of `kind` in compressed-tensors' pack-quantized format, written by that
+    library's own ModelCompressor (the `-ct` releases' layout at toy size). Each weight's scales are
+    its QAT grid's where it sits on one of that shape, else symmetric max-abs ones as the library's
+    observers make them; a static input scale is max-abs over the tiny corpus's first tokens.
+    compressed-tensors' int4 is [-8, 7] under a positive scale, so Q4_0's +8 (its negative-scale
+    groups) is written as +7 by the library. `schemes` default to COMPRESSED_SCHEMES[kind]."""
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from transformers import Gemma4ForCausalLM
+
+    from stages.grid import find_grid
+
+    save_qat_checkpoint(dest, kind)
+    model = Gemma4ForCausalLM.from_pretrained(str(dest), dtype=torch.float32)
+    peaks = _input_peaks(model)
+    groups = {}
+    for i, (pattern, bits, strategy, size, input_bits) in enumerate(schemes or COMPRESSED_SCHEMES[kind]):
+        weights = QuantizationArgs(
+            num_bits=bits, type="int", symmetric=True, strategy=strategy, group_size=size
+        )
+        inputs = (
+            QuantizationArgs(
+                num_bits=input_bits, type="int", symmetric=True, strategy="tensor", dynamic=False
+            )
+            if input_bits
+            else None
+        )
+        groups[f"group_{i}"] = QuantizationScheme(
+            targets=[pattern], weights=weights, input_activations=inputs
+        )
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups=groups, quantization_status="calibration")
+    )
+    for name, module in model.named_modules():
+        if not hasattr(module, "weight_scale"):
+            continue
+        scheme = module.quantization_scheme
+        w = module.weight.detach().double()
+        group = w.shape[1] if scheme.weights.group_size is None else scheme.weights.group_size
+        grid = find_grid(w.numpy())
+        if grid is not None and grid.group == group and grid.bits == scheme.weights.num_bits:
+            scale = torch.from_numpy(grid.scale).abs()
+        else:
+            peak = w.reshape(w.shape[0], -1, group).abs().amax(dim=2)
+            scale = torch.where(peak > 0, peak, 1.0) / ((2**scheme.weights.num_bits - 1) / 2)
+        module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
+        if scheme.input_activations is not None:
+            step = peaks[name] / ((2**scheme.input_activations.num_bits - 1) / 2)
+            module.input_scale.data = torch.full_like(module.input_scale, step)
+    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor.compress_model(model)
+    for stale in dest.glob("*.safetensors"):
+        stale.unlink()
+    model.save_pretrained(str(dest))
+    compressor.update_config(str(dest))
+    return dest
+
+
+def _input_peaks(model, tokens: int = 256) -> dict[str, float]:
+    """Each Linear's largest input magnitude over the first `tokens` of the tiny corpus."""
+    import torch
+
+    from stages.tiny_model import encode, read_corpus
+
+    peaks: dict[str, float] = {}
+
+    def hook(name):
+        def record(_module, args):
+            peaks[name] = max(peaks.get(name, 0.0), float(args[0].abs().max()))
+
+        return record
+
+    handles = [
+        m.register_forward_pre_hook(hook(n))
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
+    with torch.no_grad():
+        model(torch.tensor([encode(read_corpus("calibration"))[:tokens]]))
+    for h in handles:
+        h.remove()
+    return peaks
+
+
 def _table_section(intro: str, header: list[str], rows: list[list[str]]) -> str:
     """A bench-quality section: a paragraph, then a markdown table."""
     lines = ["", intro, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -12,6 +12,18 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from stages.compressed import (
+    INPUT_SCALE,
+    PACKED,
+    SCALE,
+    SHAPE,
+    CompressedLayout,
+    WeightGrid,
+    dequantize,
+    module_of,
+    quantization_config,
+    unpack,
+)
 from stages.errors import UserFixable
 from stages.geometry import Geometry, GeometryError, Tensor, geometry_from_config, text_config_of
 from stages.report import sha256_file
@@ -92,8 +104,8 @@ class Checkpoint:
             raise CheckpointError(f"{self.dir / 'config.json'}: {e}") from None
 
     @cached_property
-    def files(self) -> dict[str, Path]:
-        """Tensor name (as stored) -> the safetensors file holding it."""
+    def stored_files(self) -> dict[str, Path]:
+        """Tensor name as stored -> the safetensors file holding it."""
         from safetensors import safe_open
 
         index = self.dir / INDEX_NAME
@@ -107,6 +119,38 @@ class Checkpoint:
         for f in files:
             with safe_open(f, framework="pt") as st:
                 out.update(dict.fromkeys(st.keys(), f))
+        return out
+
+    @cached_property
+    def compressed(self) -> dict[str, WeightGrid]:
+        """The weights a compressed-tensors checkpoint stores quantized (stored name of the float
+        weight `X.weight` -> its scheme); empty for an unquantized checkpoint."""
+        qconfig = quantization_config(self.config)
+        if qconfig is None:
+            return {}
+        layout = CompressedLayout(qconfig)
+        out: dict[str, WeightGrid] = {}
+        for stored, path in self.stored_files.items():
+            if not stored.endswith(PACKED):
+                continue
+            module = stored[: -len(PACKED)]
+            packed_cols, scale_cols, (_, inputs) = _compressed_shapes(path, module)
+            out[module + ".weight"] = layout.scheme_of(module, inputs, scale_cols, packed_cols)
+        return out
+
+    @cached_property
+    def files(self) -> dict[str, Path]:
+        """Tensor name -> the safetensors file holding it, as the model names its tensors: a
+        compressed-tensors weight stored as X.weight_packed, X.weight_scale, ... is X.weight here."""
+        if not self.compressed:
+            return self.stored_files
+        out = {}
+        for stored, path in self.stored_files.items():
+            parts = module_of(stored)
+            if parts is None:
+                out[stored] = path
+            elif parts[1] == PACKED:
+                out[parts[0] + ".weight"] = path
         return out
 
     @cached_property
@@ -128,13 +172,46 @@ class Checkpoint:
     def tensor(self, name: str, dtype: Any = None):
         """One language-model tensor (name relative to the language model) as torch, float32 unless
         `dtype` says otherwise (converted from the stored dtype directly: E2B's per-layer table is
-        4.7 GB in bfloat16 and would pass through 9.4 GB of float32 on the way)."""
+        4.7 GB in bfloat16 and would pass through 9.4 GB of float32 on the way). A compressed-tensors
+        weight is its integers x scales, exact in float32."""
         import torch
         from safetensors import safe_open
 
         path, stored = self._locate(name)
+        if stored in self.compressed:
+            return dequantize(*self.weight_grid(name)).to(dtype or torch.float32)
         with safe_open(path, framework="pt") as st:
             return st.get_tensor(stored).to(dtype or torch.float32)
+
+    def weight_grid(self, name: str):
+        """A compressed-tensors weight's (integers int8 (out, in), scales float32 (out, in / group)),
+        as stored; name relative to the language model."""
+        from safetensors import safe_open
+
+        path, stored = self._locate(name)
+        module = stored.removesuffix(".weight")
+        with safe_open(path, framework="pt") as st:
+            return unpack(
+                st.get_tensor(module + PACKED),
+                st.get_tensor(module + SCALE),
+                st.get_tensor(module + SHAPE).tolist(),
+                self.compressed[stored],
+            )
+
+    def input_scale(self, name: str) -> float | None:
+        """The static input-activation scale a compressed-tensors checkpoint stores for weight
+        `name`'s Linear, or None."""
+        from safetensors import safe_open
+
+        stored = self.prefix + name
+        grid = self.compressed.get(stored)
+        if grid is None or not grid.input_scale:
+            return None
+        key = stored.removesuffix(".weight") + INPUT_SCALE
+        if key not in self.stored_files:
+            return None
+        with safe_open(self.stored_files[key], framework="pt") as st:
+            return float(st.get_tensor(key).float().reshape(-1)[0])
 
     def rows(self, name: str, start: int, stop: int):
         """Rows start..stop-1 of a 2-D tensor as float32 torch, read without loading the rest."""
@@ -142,8 +219,30 @@ class Checkpoint:
         from safetensors import safe_open
 
         path, stored = self._locate(name)
+        if stored in self.compressed:
+            return self.tensor(name)[start:stop]
         with safe_open(path, framework="pt") as st:
             return st.get_slice(stored)[start:stop].to(torch.float32)
+
+
+def _compressed_shapes(path: Path, module: str) -> tuple[int, int, tuple[int, int]]:
+    """A compressed-tensors module's stored (packed words a row, scales a row, (out, in))."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as st:
+        keys = set(st.keys())
+        missing = [module + p for p in (SCALE, SHAPE) if module + p not in keys]
+        if missing:
+            raise CheckpointError(f"{path}: {', '.join(missing)} missing beside {module}{PACKED}")
+        packed = st.get_slice(module + PACKED).get_shape()
+        scale = st.get_slice(module + SCALE).get_shape()
+        shape = [int(v) for v in st.get_tensor(module + SHAPE).tolist()]
+    if len(shape) != 2 or len(packed) != 2 or packed[0] != shape[0] or scale[0] != shape[0]:
+        raise CheckpointError(
+            f"{path}: {module} stores packed {list(packed)}, scales {list(scale)} for a weight of "
+            f"shape {shape}; not a compressed-tensors Linear this version reads"
+        )
+    return int(packed[1]), int(scale[1]) if len(scale) > 1 else 1, (shape[0], shape[1])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -300,6 +399,9 @@ def validate_checkpoint(
                 f"{path} is not a readable safetensors file, truncated or corrupt ({str(e).splitlines()[0]})"
             ) from None
 
+    qconfig = quantization_config(config)
+    if qconfig is not None:
+        shapes = _logical_shapes(shapes, CompressedLayout(qconfig), weights)
     prefix = next((p for p in TEXT_PREFIXES if p + geo.embedding.name in shapes), TEXT_PREFIXES[0])
     found = {k[len(prefix) :]: v[0] for k, v in shapes.items() if k.startswith(prefix)}
     dtypes = {v[1] for k, v in shapes.items() if k.startswith(prefix)}
@@ -332,6 +434,25 @@ def validate_checkpoint(
         dtypes=tuple(sorted(dtypes)),
         text_prefix=prefix,
     )
+
+
+def _logical_shapes(
+    shapes: dict[str, tuple[tuple[int, ...], str]], layout: CompressedLayout, files: list[Path]
+) -> dict[str, tuple[tuple[int, ...], str]]:
+    """A compressed-tensors checkpoint's stored shapes as the model's: each quantized Linear's parts
+    (X.weight_packed, X.weight_scale, ...) become X.weight with its shape, checked against the
+    layout (`CompressedLayout.scheme_of`)."""
+    out = {k: v for k, v in shapes.items() if module_of(k) is None}
+    for path in files:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            packed = [k[: -len(PACKED)] for k in f.keys() if k.endswith(PACKED)]
+        for module in packed:
+            packed_cols, scale_cols, shape = _compressed_shapes(path, module)
+            grid = layout.scheme_of(module, shape[1], scale_cols, packed_cols)
+            out[module + ".weight"] = (shape, f"int{grid.bits} ({grid.strategy}, compressed-tensors)")
+    return out
 
 
 def _check_tokenizer(path: Path) -> None:

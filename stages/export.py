@@ -230,10 +230,13 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     need = 4 * sum(p.params for p in plan.parts) * len(specs) // len(parts) + sum(plan.luts.values())
     with job.output(inputs, need) as run:
         graphs: list[dict[str, Any]] = []
+        carried: dict[str, tuple[dict[str, Any], Any]] = {}
         progress = tqdm(total=len(specs), desc="export graphs", unit="graph")
         for p in range(len(parts)):
             part_specs = [s for s in specs if s.part == p + 1]
-            weights = {n: matmul_layout(ckpt.tensor(n)) for n in part_weight_names(geo, part_specs[0])}
+            names = part_weight_names(geo, part_specs[0])
+            weights = {n: matmul_layout(ckpt.tensor(n)) for n in names}
+            carried.update(carried_grids(ckpt, names))
             for spec in part_specs:
                 path = run.dir / f"{spec.name}.onnx"
                 figures = export_graph(geo, spec, weights, path)
@@ -259,6 +262,15 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
                 bits,
                 lut_dir / f"per_layer_embedding_ufixed{bits}.bin",
             )
+        if carried:
+            # A compressed-tensors checkpoint's scales, for quantize to keep its grid as stored: the
+            # graphs hold integer x scale exactly, so the integers are read back from them.
+            np.savez(run.dir / CARRIED_GRIDS_FILE, **{n: scale for n, (_, scale) in carried.items()})
+            run.figures["checkpoint_grids"] = {
+                "format": "compressed-tensors",
+                "file": CARRIED_GRIDS_FILE,
+                "weights": {n: meta for n, (meta, _) in sorted(carried.items())},
+            }
         run.figures.update(
             {
                 "checkpoint_dir": _relative(checkpoint_dir, workdir),
@@ -277,6 +289,26 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
             }
         )
     return read_report(job.out_dir)
+
+
+CARRIED_GRIDS_FILE = "checkpoint_grids.npz"
+
+
+def carried_grids(ckpt: Checkpoint, names: list[str]) -> dict[str, tuple[dict[str, Any], Any]]:
+    """The weights among `names` that a compressed-tensors checkpoint stores quantized: name ->
+    (bits, group, strategy, static input scale; the scales (out, in / group) float32)."""
+    out = {}
+    for n in names:
+        grid = ckpt.compressed.get(ckpt.prefix + n)
+        if grid is None:
+            continue
+        q, scale = ckpt.weight_grid(n)
+        meta = {"bits": grid.bits, "group": grid.group(q.shape[1]), "strategy": grid.strategy}
+        if grid.input_scale:
+            meta["input_scale"] = ckpt.input_scale(n)
+            meta["input_bits"] = grid.input_bits
+        out[n] = (meta, scale.numpy())
+    return out
 
 
 # ---- the stage's command (`g4v69 export`; the stage table names it) ----

@@ -144,3 +144,30 @@ def find_grid(w: np.ndarray) -> Grid | None:
             rel_rms_error=err,
         )
     return None
+
+
+def carried_grid(w: np.ndarray, scale: np.ndarray, bits: int) -> Grid:
+    """The grid a checkpoint stored for `w` (out, in): its own scales (out, in / group), its integers
+    read back as w / scale. Export's float weight is integer x scale to float32's last bit, so the
+    integers come back exact; a weight that is not (a scale that does not belong to it) is refused."""
+    out, inp = w.shape
+    group = inp // scale.shape[1]
+    steps = np.asarray(w, np.float64).reshape(out, -1, group) / np.where(scale == 0, 1, scale)[:, :, None]
+    q = np.rint(steps)
+    off = float(np.abs(steps - q).max()) if q.size else 0.0
+    half = 1 << (bits - 1)
+    if off > 1e-3 or q.min() < -half or q.max() > half - 1:
+        raise ValueError(
+            f"the weight is not its stored int{bits} integers x scales (off by {off:.3g} of a step, "
+            f"integers {int(q.min())}..{int(q.max())})"
+        )
+    deq = q * scale[:, :, None]
+    norm = float(np.sqrt((np.asarray(w, np.float64) ** 2).sum())) or 1.0
+    return Grid(
+        bits=bits,
+        group=group,
+        q=q.astype(np.int8).reshape(out, inp),
+        scale=scale.astype(np.float32),
+        max_error=off,
+        rel_rms_error=float(np.sqrt(((deq.reshape(out, inp) - w) ** 2).sum())) / norm,
+    )

@@ -89,7 +89,30 @@ def transformers_model(checkpoint_dir: Path) -> Any:
     for name, p in model.named_parameters():
         if p.is_meta:
             raise CheckpointError(f"{checkpoint_dir}: transformers' Gemma 4 has no weight for {name}")
+    _quantize_static_inputs(model, ckpt)
     return model
+
+
+def _quantize_static_inputs(model: Any, ckpt: Any) -> None:
+    """A compressed-tensors checkpoint's static input-activation scales, applied as transformers'
+    own loader applies them (through compressed-tensors: each such Linear's input rounded onto the
+    symmetric integer grid of its scale, zero point 0, on every forward call), so the reference is
+    the model as transformers runs that checkpoint (tests/unit/test_compressed.py compares them)."""
+    import torch
+
+    for stored, grid in ckpt.compressed.items():
+        name = stored.removeprefix(ckpt.prefix)
+        scale = ckpt.input_scale(name)
+        if scale is None:
+            continue
+        half = 1 << (grid.input_bits - 1)
+
+        def fake_quant(_module, args, scale=scale, half=half):
+            x = args[0]
+            q = torch.clamp(torch.round(x / scale), -half, half - 1)
+            return (q * scale).to(x.dtype), *args[1:]
+
+        model.get_submodule("model." + name.removesuffix(".weight")).register_forward_pre_hook(fake_quant)
 
 
 def greedy_tokens(model: Any, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:

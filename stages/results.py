@@ -75,6 +75,18 @@ class ExportResult(StageResult):
         """The checkpoint it was exported from (recorded relative to the work folder)."""
         return self.folder.parent / self.report.figures["checkpoint_dir"]
 
+    def carried_grids(self) -> dict[str, tuple[dict[str, Any], Any]]:
+        """The weights a compressed-tensors checkpoint stored quantized: name -> (its scheme: bits,
+        group, strategy, static input scale where stored; its scales (out, in / group)). Empty for
+        any other checkpoint."""
+        import numpy as np
+
+        carried = self.report.figures.get("checkpoint_grids")
+        if not carried:
+            return {}
+        with np.load(self.folder / carried["file"]) as scales:
+            return {n: (meta, scales[n]) for n, meta in carried["weights"].items()}
+
 
 class QuantizeResult(StageResult):
     @property

@@ -81,7 +81,8 @@ def quantize_graphs(
         if calibration_kind(cfg)
         else None
     )
-    luts = ExportResult(export_dir, StageReport.read(export_dir)).luts
+    exported = ExportResult(export_dir, StageReport.read(export_dir))
+    luts = exported.luts
     result: QuantizedGraphs | None = None
     progress = tqdm(
         total=sum(len(g) for g in runner.graphs.values()), desc=f"quantize ({cfg.ple_policy})", unit="graph"
@@ -117,7 +118,13 @@ def quantize_graphs(
                 # After the prefill calibration (its sessions released): Hessians, then every 4-bit
                 # weight rounded once (decode graphs hold the same weights), then the Hessians go.
                 rounder = _round_weights(
-                    cfg, chain, [src for _, src in runner.graphs[role]], samples, Path(tmp), clock
+                    cfg,
+                    chain,
+                    [src for _, src in runner.graphs[role]],
+                    samples,
+                    Path(tmp),
+                    clock,
+                    exported.carried_grids(),
                 )
             if collector is not None:
                 ranges = collector.ranges()
@@ -179,6 +186,9 @@ def quantize_graphs(
             )
     progress.close()
     assert result is not None  # every export has prefill graphs
+    if rounder is not None and rounder.input_scales:
+        # Compared as each graph was written, after the weights' figures were taken.
+        result.weights["checkpoint_grids"]["static_input_scales"] = dict(sorted(rounder.input_scales.items()))
     result.clock = clock
     return result
 
@@ -217,6 +227,8 @@ def _write_graph(
     if read_lut_inputs_quantized(qmodel, lut_inputs):
         # Weights stay where they are: an external-data graph keeps its references.
         onnx.save(qmodel, str(dest))
+    if rounder is not None:
+        rounder.compare_input_scales(qmodel)
     checked = audit(
         cfg,
         qmodel,
@@ -229,11 +241,18 @@ def _write_graph(
 
 
 def _round_weights(
-    cfg: PipelineConfig, chain, graphs: list[Path], samples: list[list[int]], scratch: Path, clock: PassClock
+    cfg: PipelineConfig,
+    chain,
+    graphs: list[Path],
+    samples: list[list[int]],
+    scratch: Path,
+    clock: PassClock,
+    carried: dict[str, Any],
 ) -> WeightRounder:
     """The 4-bit weights' passes, in order: GPTQ's Hessians from the first `hessian_samples`, every
     weight rounded once, the mixed precision's measured sensitivity on the first `sensitivity_tokens`,
-    then the scale search of the weights left at 4 bits. Each is timed on `clock`."""
+    then the scale search of the weights left at 4 bits. Each is timed on `clock`. `carried`: the
+    grids a compressed-tensors checkpoint stored (`ExportResult.carried_grids`)."""
     hessians = None
     if cfg.weight_rounding != "nearest":
         hessian_samples = samples[: cfg.hessian_samples]
@@ -241,7 +260,7 @@ def _round_weights(
         with clock.run("hessians", tokens_of(hessian_samples), unit="call") as timed:
             hessians = collect_hessians(chain, hessian_samples, watched, scratch / "hessians")
             timed.units = sum(-(-len(s) // chain.prefill_ar) for s in hessian_samples)
-    rounder = WeightRounder(cfg, hessians)
+    rounder = WeightRounder(cfg, hessians, carried)
     del hessians  # round_all drops them when done
     with clock.run("rounding", unit="weight") as timed:
         rounder.round_all(graphs, scratch / "hessians-kept" if rounder.searches else None)
@@ -252,7 +271,8 @@ def _round_weights(
         with clock.run("sensitivity", tokens_of(measured), unit="weight") as timed:
             rounder.measure(chain, measured, scratch / "sensitivity")
             timed.units = sum(1 for r in rounder.rounded.values() if r.kl_int4 is not None)
-        rounder.int8_weights = rounder.choose_int8(int8_share)
+    chosen = rounder.choose_int8(int8_share) if int8_share else frozenset()
+    rounder.int8_weights = chosen | rounder.given_int8
     if rounder.searches:
         with clock.run("scale_search", unit="weight") as timed:
             rounder.search_scales(graphs)

@@ -17,7 +17,7 @@ from stages.contract import (
 )
 from stages.encoding import Encoding
 from stages.gptq import Hessian, best_scales, gptq
-from stages.grid import Grid, find_grid
+from stages.grid import Grid, carried_grid, find_grid
 from stages.precision import DECODER_ROLE, LM_HEAD_ROLE, LPBQ_BLOCK_SCALE_MAX, PLE_ROLE
 from stages.quantize.analysis import (
     PLE_WEIGHT_SUFFIXES,
@@ -315,8 +315,15 @@ class WeightRounder:
     `gptq-search` rounding, the weights left at 4 bits are then rounded again with their scales
     searched under GPTQ's output error (`search_scales`)."""
 
-    def __init__(self, cfg: PipelineConfig, hessians: dict[str, Hessian] | None):
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        hessians: dict[str, Hessian] | None,
+        carried: dict[str, tuple[dict[str, Any], np.ndarray]] | None = None,
+    ):
         self.cfg = cfg
+        # The grids a compressed-tensors checkpoint stored, by weight: (scheme, scales (out, groups)).
+        self.carried = carried or {}
         self.hessians = hessians or {}
         self.rounding = cfg.weight_rounding if self.hessians else "nearest"
         self.rounded: dict[str, RoundedWeight] = {}
@@ -326,11 +333,20 @@ class WeightRounder:
         # Weights found on a checkpoint's own low-bit grid (quantization-aware training): what was
         # found, and whether the scheme kept it or why not (`kept_grid`).
         self.grids: dict[str, dict[str, Any]] = {}
+        # Static input-activation scales a checkpoint stores, beside the calibrated ranges.
+        self.input_scales: dict[str, dict[str, Any]] = {}
 
     @property
     def kept(self) -> frozenset[str]:
         """The weights whose checkpoint grid is kept: their integers are the checkpoint's."""
         return frozenset(n for n, g in self.grids.items() if g["kept"])
+
+    @property
+    def given_int8(self) -> frozenset[str]:
+        """The decoder weights the checkpoint stores at 8 bits: they stay int8, whatever the precision."""
+        return frozenset(
+            n for n, (meta, _) in self.carried.items() if meta["bits"] == 8 and weight_role(n) == DECODER_ROLE
+        )
 
     @property
     def searches(self) -> bool:
@@ -428,7 +444,17 @@ class WeightRounder:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
         """The weight's checkpoint grid in its scheme, where it sits on one and the scheme can keep it
         (recorded in `grids` either way); None to round it as any other weight."""
-        grid = find_grid(w.T)
+        if name in self.carried:
+            meta, scales = self.carried[name]
+            try:
+                grid = carried_grid(w.T, scales, meta["bits"])
+            except ValueError as e:
+                raise QuantizeError(
+                    f"{name}: {e}; exported/ does not match its checkpoint: run `make export` again"
+                ) from None
+            source = "compressed-tensors"
+        else:
+            grid, source = find_grid(w.T), "found in the values"
         if grid is None:
             return None
         kept = (
@@ -441,10 +467,13 @@ class WeightRounder:
             "bits": grid.bits,
             "group": grid.group,
             "kept": not isinstance(kept, str),
+            "source": source,
         }
         self.grids[name] = entry
         if isinstance(kept, str):
             entry["why_not"] = kept
+            if name in self.given_int8:
+                entry["stored"] = "int8 per channel, as the checkpoint gives it 8 bits"
             return None
         q, scale, block_scales, residual, clipped = kept
         entry.update(scale_residual=round(residual, 6), clipped=clipped)
@@ -466,10 +495,15 @@ class WeightRounder:
         parameters stay within `share` of the decoder's (the precision's memory price). A weight on
         its checkpoint's kept grid stays at 4 bits: there its integers are exact, and int8 would
         round them onto another grid."""
+        given = self.given_int8
         decoder = {
-            n: r for n, r in self.rounded.items() if weight_role(n) == DECODER_ROLE and n not in self.kept
+            n: r
+            for n, r in self.rounded.items()
+            if weight_role(n) == DECODER_ROLE and n not in self.kept and n not in given
         }
-        budget = share * sum(r.params for r in decoder.values())
+        # The weights the checkpoint gives at 8 bits spend the same budget first.
+        given_params = sum(self.rounded[n].params for n in given if n in self.rounded)
+        budget = share * (sum(r.params for r in decoder.values()) + given_params) - given_params
 
         def gain(n: str) -> float:
             r = decoder[n]
@@ -481,6 +515,44 @@ class WeightRounder:
                 chosen.append(name)
                 used += decoder[name].params
         return frozenset(chosen)
+
+    def compare_input_scales(self, qmodel) -> None:
+        """For each weight whose checkpoint stores a static input-activation scale: that scale's range
+        beside the range its MatMul's input was calibrated to in the quantized graph `qmodel`, and
+        which one the graph uses. Every precision here has 16-bit activations: the calibrated 16-bit
+        range is kept, since an int8 scale's 255 steps over the same span would be the coarser grid."""
+        from onnx import numpy_helper
+
+        wanted = {n: meta for n, (meta, _) in self.carried.items() if meta.get("input_scale") is not None}
+        if not wanted:
+            return
+        graph = qmodel.graph
+        inits = {i.name: i for i in graph.initializer}
+        producer = {o: node for node in graph.node for o in node.output}
+        for node in graph.node:
+            if node.op_type != "MatMul":
+                continue
+            dq_w, dq_x = producer.get(node.input[1]), producer.get(node.input[0])
+            if dq_w is None or dq_x is None or dq_x.op_type != "DequantizeLinear":
+                continue
+            name = _weight_name(dq_w)
+            if name not in wanted or name in self.input_scales:
+                continue
+            scale = float(numpy_helper.to_array(inits[dq_x.input[1]]))
+            zero = numpy_helper.to_array(inits[dq_x.input[2]])
+            kind = np.iinfo(zero.dtype)
+            bits = kind.bits
+            stored = wanted[name]["input_scale"]
+            half = 1 << (wanted[name]["input_bits"] - 1)
+            self.input_scales[name] = {
+                "checkpoint": [round(-half * stored, 6), round((half - 1) * stored, 6)],
+                "calibrated": [
+                    round((kind.min - int(zero)) * scale, 6),
+                    round((kind.max - int(zero)) * scale, 6),
+                ],
+                "used": "calibrated",
+                "why": f"{bits}-bit activations: finer than the checkpoint's int{wanted[name]['input_bits']}",
+            }
 
     def figures(self) -> dict[str, Any]:
         return {
