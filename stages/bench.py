@@ -348,16 +348,26 @@ QAT_ROWS: tuple[tuple[str, str | None, dict[str, Any]], ...] = (
         "group32",
         {"precision": "w4a16-lpbq", "checkpoint_grid": "ignore"},
     ),
+    # The same QAT weights as compressed-tensors writes them (its int4 is [-8, 7] under a positive
+    # scale: Q4_0's +8 becomes +7 in the file, so the kept grid is the file's, clipped at writing).
+    ("QAT per channel, compressed-tensors, grid kept (w4a16)", "ct-channel", {"precision": "w4a16"}),
+    (
+        "QAT groups of 32, compressed-tensors, grid kept (w4a16-lpbq)",
+        "ct-group32",
+        {"precision": "w4a16-lpbq"},
+    ),
     ("not QAT, GPTQ (w4a16)", None, {"precision": "w4a16"}),
     ("not QAT, today's default (w4a16-mixed)", None, {"precision": "w4a16-mixed"}),
 )
+COMPRESSED_KIND = "ct-"  # a QAT_ROWS kind in compressed-tensors' format
 
 
 def qat_quality(workdir: Path, rows=QAT_ROWS) -> list[dict[str, Any]]:
     """Each QAT_ROWS row through download, export and quantize of the tiny model: held-out quality of
     the quantized graphs against that checkpoint's own float graphs, how many weights kept their grid,
     and the int8 share. A QAT checkpoint is written by transformers' save_pretrained (bf16, the
-    `-qat-q4_0-unquantized` layout at toy size) and imported as a user imports a folder."""
+    `-qat-q4_0-unquantized` layout at toy size) or, for a `ct-` kind, by compressed-tensors'
+    ModelCompressor (`save_compressed_checkpoint`), and imported as a user imports a folder."""
     import shutil
 
     from stages.config import load_config
@@ -373,6 +383,9 @@ def qat_quality(workdir: Path, rows=QAT_ROWS) -> list[dict[str, Any]]:
         if not ckpt.is_dir():
             if kind is None:
                 run_download("tiny", "main", ckpt)
+            elif kind.startswith(COMPRESSED_KIND):
+                src = save_compressed_checkpoint(workdir / f"{model}-src", kind.removeprefix(COMPRESSED_KIND))
+                run_download(model, "main", ckpt, from_dir=src)
             else:
                 src = workdir / f"{model}-transformers"
                 save_qat_checkpoint(src, kind)
@@ -453,10 +466,13 @@ def save_compressed_checkpoint(
         QuantizationScheme,
         apply_quantization_config,
     )
+    from loguru import logger
     from transformers import Gemma4ForCausalLM
 
     from stages.grid import find_grid
 
+    # compressed-tensors logs (loguru) that 8-bit weights would infer int-quantized: packed is asked for.
+    logger.disable("compressed_tensors")
     save_qat_checkpoint(dest, kind)
     model = Gemma4ForCausalLM.from_pretrained(str(dest), dtype=torch.float32)
     peaks = _input_peaks(model)
