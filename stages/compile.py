@@ -45,7 +45,7 @@ from stages.config import PipelineConfig
 from stages.contract import CACHE_PREFIX
 from stages.encoding import IoTensor, QdqGraph, prepare_io, shared_tensor_mismatches
 from stages.errors import UserFixable
-from stages.graphs import Binary, binary_layout, qdq_file_name
+from stages.graphs import Binary, qdq_file_name
 from stages.quiet import call_without_native_noise
 from stages.report import (
     REPORT_NAME,
@@ -433,14 +433,13 @@ def check_binary(path: Path, soc: Soc, io_names: list[str]) -> dict[str, Any]:
 
 
 # ---- the stage ----
-def _load_quantized(cfg: PipelineConfig, workdir: Path) -> tuple[QuantizeResult, dict[str, Path]]:
+def _load_quantized(workdir: Path) -> tuple[QuantizeResult, dict[str, Path]]:
     quantized = require_result(workdir, "quantize", QuantizeResult, CompileError)
-    q_dir = quantized.folder
-    paths = {g["name"]: q_dir / g["qdq_onnx"] for g in quantized.graphs}
-    wanted = [g for b in binary_layout(cfg) for g in b.graphs]
+    paths = quantized.graph_files()
+    wanted = quantized.job.shipped_graphs
     missing = [qdq_file_name(g) for g in wanted if g not in paths or not paths[g].is_file()]
     if missing:
-        raise CompileError(f"{q_dir} lacks {', '.join(missing)}; run `make quantize` again")
+        raise CompileError(f"{quantized.folder} lacks {', '.join(missing)}; run `make quantize` again")
     return quantized, {g: paths[g] for g in wanted}
 
 
@@ -469,11 +468,11 @@ def run_compile(
     from stages.progress import tqdm
 
     soc = cfg.soc_info
-    quantized, sources = _load_quantized(cfg, workdir)
+    quantized, sources = _load_quantized(workdir)
     q_dir = quantized.folder
     job = StageJob("compile", cfg, workdir)
     job.check([q_dir])
-    layout = binary_layout(cfg)
+    layout = list(quantized.job.binaries)
     inputs = [q_dir / REPORT_NAME, *sources.values()]
     # Prepared copies of the graphs, then binaries of about their size.
     need = 2 * sum(f.stat().st_size for s in sources.values() for f in s.parent.glob(f"{s.name}*"))

@@ -28,10 +28,11 @@ import numpy as np
 from stages.checkpoint import Checkpoint
 from stages.command import Context
 from stages.config import PipelineConfig
-from stages.contract import ATTENTION_MASK_MIN, GraphSpec, graph_specs
+from stages.contract import ATTENTION_MASK_MIN, GraphSpec
 from stages.encoding import pack_nibbles
 from stages.errors import UserFixable
 from stages.geometry import Geometry
+from stages.job import Job
 from stages.report import REPORT_NAME, StageJob, read_report
 from stages.results import ExportResult, StageReport
 from stages.runner import LutSpec
@@ -192,7 +193,7 @@ def _relative(path: Path, root: Path) -> str:
 def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
     """The whole stage; returns the report. Raises ExportError (or CheckpointError) on bad input,
     leaving no output folder behind."""
-    from stages.fitting import make_plan, over_context_limit, part_layers
+    from stages.fitting import make_plan, over_context_limit
     from stages.graphs import PartitionError
     from stages.progress import tqdm
 
@@ -200,15 +201,15 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
         raise ExportError(
             f"{checkpoint_dir} is not a complete download (no {REPORT_NAME}); run `make download` first"
         )
-    job = StageJob("export", cfg, workdir)
-    job.check([checkpoint_dir])
+    stage = StageJob("export", cfg, workdir)
+    stage.check([checkpoint_dir])
     ckpt = Checkpoint(checkpoint_dir)
     geo = ckpt.geometry
     try:
-        parts = part_layers(geo, cfg)
-        specs = graph_specs(geo, cfg, parts, calibration=True)
+        job = Job.build(geo, cfg)
     except (PartitionError, ValueError) as e:
         raise ExportError(str(e)) from None
+    parts, specs = job.parts, job.specs
     # After the graphs' own shape rules (a context too small for the window says so first).
     refused = get_runtime(cfg.runtime).layout_problems(cfg, geo)
     if refused:
@@ -228,7 +229,7 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     # Each graph holds its part's weights in float32 (E2B: 18.2 GB of graphs + 3.2 GB of LUTs).
     plan = make_plan(geo, cfg)
     need = 4 * sum(p.params for p in plan.parts) * len(specs) // len(parts) + sum(plan.luts.values())
-    with job.output(inputs, need) as run:
+    with stage.output(inputs, need) as run:
         graphs: list[dict[str, Any]] = []
         carried: dict[str, tuple[dict[str, Any], Any]] = {}
         progress = tqdm(total=len(specs), desc="export graphs", unit="graph")
@@ -286,9 +287,10 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
                 ],
                 "graphs": graphs,
                 "luts": {k: {**asdict(v), "path": f"luts/{v.path}"} for k, v in luts.items()},
+                "job": job.to_dict(),
             }
         )
-    return read_report(job.out_dir)
+    return read_report(stage.out_dir)
 
 
 CARRIED_GRIDS_FILE = "checkpoint_grids.npz"

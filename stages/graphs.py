@@ -77,12 +77,18 @@ def binary_layout(cfg: PipelineConfig) -> list[Binary]:
     one binary `part{i}_of_{N}.bin`; on v69 every graph is its own binary `<graph>.bin`, so the
     weights are stored twice.
     """
-    kinds = graph_kinds(cfg)
-    n = cfg.num_shards
+    return lay_out_binaries(graph_kinds(cfg), cfg.num_shards, cfg.soc_info.weight_sharing)
+
+
+def lay_out_binaries(
+    kinds: list[GraphKind] | tuple[GraphKind, ...], n: int, weight_sharing: bool
+) -> list[Binary]:
+    """`binary_layout` from its parts: the shipped kinds, the number of parts and the SoC's weight
+    sharing."""
     layout = []
     for part in range(1, n + 1):
         names = tuple(graph_name(k, part, n) for k in kinds)
-        if cfg.soc_info.weight_sharing and len(names) > 1:
+        if weight_sharing and len(names) > 1:
             layout.append(Binary(f"{part_name(part, n)}.bin", part, names))
         else:
             layout += [Binary(f"{name}.bin", part, (name,)) for name in names]

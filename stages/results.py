@@ -13,8 +13,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from stages.errors import UserFixable
+from stages.job import Job
 from stages.pipeline import output_dir
 from stages.report import REPORT_NAME
+
+
+class OutdatedResult(UserFixable, ValueError):
+    """A stage output written by an earlier version, without a figure this one reads."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,17 @@ class StageResult:
 
     folder: Path
     report: StageReport
+
+    @property
+    def job(self) -> Job:
+        """The job export worked out (`stages.job.Job`), as this stage recorded it."""
+        recorded = self.report.figures.get("job")
+        if recorded is None:
+            raise OutdatedResult(
+                f"{self.folder} was written by an earlier version and does not record its job; "
+                f"run `make {self.report.stage}` again (with FORCE=1 if Make thinks it is done)"
+            )
+        return Job.from_dict(recorded)
 
 
 class ExportResult(StageResult):
@@ -93,6 +110,10 @@ class QuantizeResult(StageResult):
     def graphs(self) -> list[dict[str, Any]]:
         """Every quantized graph: name, qdq_onnx (file name), quantize_s, its audit."""
         return self.report.figures["graphs"]
+
+    def graph_files(self) -> dict[str, Path]:
+        """Each quantized graph's QDQ file, by graph name."""
+        return {g["name"]: self.folder / g["qdq_onnx"] for g in self.graphs}
 
     @property
     def kv_cache_bits(self) -> int:

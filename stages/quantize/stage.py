@@ -497,6 +497,8 @@ def run_quantize(
                 "boundary_ranges": main.boundary_ranges,
                 "graphs": main.figures,
                 "quality": quality,
+                # Handed on as export worked it out, its binaries laid out for this SoC: compile reads it.
+                "job": exported.job.on_soc(cfg.soc_info).to_dict(),
             }
         )
         write_quality_html(run.dir / "quality.html", run.figures)
