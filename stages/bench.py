@@ -628,7 +628,7 @@ def lut_quality(workdir: Path, bits: tuple[int, ...] = (16, 8, 4)) -> list[dict[
         rows.append(
             {
                 "ple_lut_bits": b,
-                "lut_bytes": (export_dir / lut["path"]).stat().st_size,
+                "lut_bytes": (export_dir / lut.path).stat().st_size,
                 **compare_chains(exact, fed, samples, decode_steps),
             }
         )

@@ -230,7 +230,7 @@ def _echo_bundle_limits(obj: Context) -> None:
     compiled = require_result(obj.workdir, "compile", CompileResult, UserError)
     exported = require_result(obj.workdir, "export", ExportResult, UserError)
     geo = load_geometry(obj.checkpoint_dir() / "config.json")
-    luts = sum((exported.folder / lut["path"]).stat().st_size for lut in exported.luts.values())
+    luts = sum((exported.folder / lut.path).stat().st_size for lut in exported.luts.values())
     checks = built_limits(make_plan(geo, cfg), cfg, compiled.binaries, luts)
     click.echo(f"Limits of {cfg.soc} against this bundle:")
     click.echo("\n".join(render_limits(checks)))

@@ -590,11 +590,11 @@ def command(obj: Context, jobs: int | None) -> None:
 
     report = run_compile(obj.config, obj.workdir, jobs)
     c = CompileResult(obj.workdir / "compiled", StageReport.from_dict(report))
-    total = sum(b["bytes"] for b in c.binaries)
+    total = sum(b.bytes for b in c.binaries)
     # The binaries compile in child processes; the stage's own peak RSS misses theirs.
-    peak = max([c.report.peak_rss_bytes] + [b.get("peak_rss_bytes", 0) for b in c.binaries])
+    peak = max([c.report.peak_rss_bytes] + [b.peak_rss_bytes for b in c.binaries])
     click.echo(
         f"{c.folder}: {len(c.binaries)} binaries for {c.soc} ({c.dsp_arch}), {total / 1e6:.1f} MB, "
-        f"QAIRT {c.backend['qairt_version']} ({c.backend['name']}); {c.report.wall_s:.1f} s, "
+        f"QAIRT {c.backend.qairt_version} ({c.backend.name}); {c.report.wall_s:.1f} s, "
         f"peak RSS {peak / 2**30:.2f} GiB"
     )

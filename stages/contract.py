@@ -166,6 +166,23 @@ def constructed_input_ranges() -> dict[str, tuple[float, float]]:
 KVSHARE_PREFIX = f"{LINK_PREFIX}kvshare_"
 
 
+@dataclass(frozen=True)
+class LutSpec:
+    """One Genie LUT file: rows of `size` unsigned `bits`-bit values; real = (q + offset) * scale.
+    As the export report records it (`ExportResult.luts`), `path` is under exported/."""
+
+    path: str
+    rows: int
+    size: int
+    bits: int
+    scale: float
+    offset: int
+
+    @property
+    def datatype(self) -> str:
+        return f"ufixed{self.bits}"
+
+
 # ---- shapes ----
 def cache_slots(geo: Geometry, attention: str, context: int, ar: int) -> int:
     """Past KV slots a graph of AR tokens sees: the rest of the context, or the sliding window."""

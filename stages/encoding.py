@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from stages.contract import LOGITS
+from stages.contract import LOGITS, LutSpec
 
 if TYPE_CHECKING:  # numpy is imported where arrays are handled: the tools image has no numpy
     import numpy as np
@@ -150,9 +150,9 @@ class Encoding:
         return Encoding(datatype, float(scale), -int(zero_point or 0))
 
     @staticmethod
-    def of_lut(lut: dict[str, Any]) -> Encoding:
-        """A LUT as the export report records it (`bits`, `scale`, `offset`; always unsigned)."""
-        return Encoding(f"ufixed{lut['bits']}", float(lut["scale"]), int(lut["offset"]))
+    def of_lut(lut: LutSpec) -> Encoding:
+        """A LUT file's encoding (always unsigned)."""
+        return Encoding(lut.datatype, float(lut.scale), int(lut.offset))
 
     @staticmethod
     def of_io(io: dict[str, Any]) -> Encoding:

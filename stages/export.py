@@ -28,14 +28,13 @@ import numpy as np
 from stages.checkpoint import Checkpoint
 from stages.command import Context
 from stages.config import PipelineConfig
-from stages.contract import ATTENTION_MASK_MIN, GraphSpec
+from stages.contract import ATTENTION_MASK_MIN, GraphSpec, LutSpec
 from stages.encoding import pack_nibbles
 from stages.errors import UserFixable
 from stages.geometry import Geometry
 from stages.job import Job
 from stages.report import REPORT_NAME, StageJob, read_report
 from stages.results import ExportResult, StageReport
-from stages.runner import LutSpec
 from stages.runtimes import get_runtime
 
 OPSET = 23

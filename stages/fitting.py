@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from stages.config import PipelineConfig
 from stages.contract import GENIE_LUT_LIMIT_BYTES
@@ -593,18 +594,20 @@ def over_context_limit(geo: Geometry, cfg: PipelineConfig) -> str:
 
 
 def built_limits(
-    plan: Plan, cfg: PipelineConfig, compiled_binaries: list[dict], lut_bytes: int
+    plan: Plan, cfg: PipelineConfig, compiled_binaries: list[Any], lut_bytes: int
 ) -> list[LimitCheck]:
     """The limits against a built bundle: the binaries' real sizes and the compile stage's weights +
-    I/O per binary, plus the plan's intermediates and spill-fill (only the compiler knows those)."""
+    I/O per binary, plus the plan's intermediates and spill-fill (only the compiler knows those).
+    `compiled_binaries`: `CompileResult.binaries` (not imported: the results import the job, which
+    imports this module)."""
     planned = {b.file: b for b in plan.binaries}
     binaries = []
     for b in compiled_binaries:
-        p = planned[b["file"]]
+        p = planned[b.file]
         activations = p.estimated_allocation - p.weight_bytes
-        graphs = [g["name"] for g in b["graphs"]]
-        allocation = b.get("estimated_allocation_bytes", b["bytes"]) + activations
-        binaries.append(BinaryPlan(b["file"], p.part, graphs, b["bytes"], allocation))
+        graphs = [g.name for g in b.graphs]
+        own = b.estimated_allocation_bytes if b.estimated_allocation_bytes is not None else b.bytes
+        binaries.append(BinaryPlan(b.file, p.part, graphs, b.bytes, own + activations))
     pinned = sum(b.weight_bytes for b in binaries) + lut_bytes + plan.kv_cache_bytes
     mapped = sum(b.estimated_allocation for b in binaries)
     return limit_checks(cfg, binaries, mapped, pinned, pinned + plan.four_bit_weight_bytes)

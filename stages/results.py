@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from stages.contract import LutSpec
 from stages.errors import UserFixable
 from stages.job import Job
 from stages.pipeline import output_dir
@@ -79,9 +80,9 @@ class ExportResult(StageResult):
         return self.report.figures["graphs"]
 
     @property
-    def luts(self) -> dict[str, dict[str, Any]]:
-        """Genie's LUT sections by key: path (under exported/), bits, encoding."""
-        return self.report.figures["luts"]
+    def luts(self) -> dict[str, LutSpec]:
+        """Genie's LUT files by key (embedding, per_layer_embedding), each path under exported/."""
+        return {k: LutSpec(**v) for k, v in self.report.figures["luts"].items()}
 
     @property
     def parts(self) -> list[dict[str, Any]]:
@@ -129,17 +130,66 @@ class QuantizeResult(StageResult):
         return self.report.figures["quality"]
 
 
+@dataclass(frozen=True)
+class CompiledGraph:
+    """One graph of a context binary: its name, the name QNN gave it (the local compiler's; AI Hub
+    does not report one) and its I/O encodings by direction and tensor (`IoTensor.to_dict` records)."""
+
+    name: str
+    io: dict[str, dict[str, dict[str, Any]]]
+    qnn_graph_name: str | None = None
+
+
+@dataclass(frozen=True)
+class CompiledBinary:
+    """One context binary as the compile stage recorded it."""
+
+    file: str
+    bytes: int
+    weight_shared: bool
+    graphs: tuple[CompiledGraph, ...]
+    part: int | None = None
+    sha256: str | None = None
+    estimated_allocation_bytes: int | None = None  # our weights + I/O estimate
+    peak_rss_bytes: int = 0  # of the compile that made it
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CompiledBinary:
+        return cls(
+            file=d["file"],
+            bytes=d["bytes"],
+            weight_shared=d["weight_shared"],
+            graphs=tuple(
+                CompiledGraph(g["name"], g.get("io", {}), g.get("qnn_graph_name")) for g in d["graphs"]
+            ),
+            part=d.get("part"),
+            sha256=d.get("sha256"),
+            estimated_allocation_bytes=d.get("estimated_allocation_bytes"),
+            peak_rss_bytes=d.get("peak_rss_bytes", 0),
+        )
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # local or aihub
+    qairt_version: str
+
+
 class CompileResult(StageResult):
     @property
-    def binaries(self) -> list[dict[str, Any]]:
-        """Every context binary in Genie's ctx-bins order: file, bytes, sha256, weight_shared, graphs
-        (each with its name and I/O encodings), peak_rss_bytes."""
-        return self.report.figures["binaries"]
+    def binaries(self) -> list[CompiledBinary]:
+        """Every context binary in Genie's ctx-bins order."""
+        return [CompiledBinary.from_dict(b) for b in self.report.figures["binaries"]]
 
     @property
-    def backend(self) -> dict[str, Any]:
-        """name (local or aihub) and qairt_version."""
-        return self.report.figures["backend"]
+    def graph_io(self) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+        """Every compiled graph's I/O encodings, by graph name."""
+        return {g.name: g.io for b in self.binaries for g in b.graphs}
+
+    @property
+    def backend(self) -> Backend:
+        b = self.report.figures["backend"]
+        return Backend(b["name"], b["qairt_version"])
 
     @property
     def soc(self) -> str:

@@ -27,6 +27,7 @@ from stages.contract import (
     MASK_NAME,
     PER_LAYER_INPUTS,
     GraphSpec,
+    LutSpec,
     cache_name,
     rope_name,
 )
@@ -77,22 +78,6 @@ class CheckpointEmbedder:
         ple = np.stack([self._row("embed_tokens_per_layer.weight", int(i)) for i in ids])
         ple = (ple * np.float32(geo.ple_dim**0.5)).reshape(len(ids), geo.num_layers, geo.ple_dim)
         return emb.astype(np.float32), ple.astype(np.float32)
-
-
-@dataclass(frozen=True)
-class LutSpec:
-    """One Genie LUT file: rows of `size` unsigned `bits`-bit values; real = (q + offset) * scale."""
-
-    path: str
-    rows: int
-    size: int
-    bits: int
-    scale: float
-    offset: int
-
-    @property
-    def datatype(self) -> str:
-        return f"ufixed{self.bits}"
 
 
 class LutEmbedder:
@@ -318,7 +303,7 @@ class HostRunner:
         for parts in graphs.values():
             parts.sort(key=lambda sp: sp[0].part)
         if luts:
-            specs = {k: LutSpec(**v) for k, v in exported.luts.items()}
+            specs = exported.luts
             embedder: Embedder = LutEmbedder(ckpt.geometry, export_dir, specs)
         else:
             embedder = CheckpointEmbedder(ckpt)

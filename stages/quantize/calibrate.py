@@ -15,6 +15,7 @@ from stages.config import PipelineConfig
 from stages.contract import (
     PER_LAYER_EMBEDS,
     GraphSpec,
+    LutSpec,
     constructed_input_ranges,
 )
 from stages.graphs import copy_graph
@@ -114,7 +115,7 @@ def quant_settings(
     analysis: GraphAnalysis,
     ranges: CalibratedRanges,
     graph_tensors: set[str],
-    luts: dict[str, dict[str, Any]],
+    luts: dict[str, LutSpec],
 ) -> tuple[dict, list[str]]:
     """Tensor overrides and excluded nodes for one graph under the config's rules."""
     from onnxruntime.quantization import QuantType
@@ -286,7 +287,7 @@ def graph_quant_config(
     spec: GraphSpec,
     src: Path,
     ranges: CalibratedRanges,
-    luts: dict[str, dict[str, Any]],
+    luts: dict[str, LutSpec],
     samples: list[list[int]],
     decode_steps: int,
     calibration_providers: list[str] | None = None,

@@ -475,7 +475,7 @@ def run_quantize(
                 "quality_by_precision": by_precision,
                 "kv_cache_bits": cfg.kv_cache_bits,
                 "ple_policy": cfg.ple_policy,
-                "ple_lut_bits": exported.luts.get("per_layer_embedding", {}).get("bits"),
+                "ple_lut_bits": getattr(exported.luts.get("per_layer_embedding"), "bits", None),
                 "calibration": {
                     "dataset": cfg.calibration_dataset,
                     "source": text_source(cfg, calibration_files, workdir),

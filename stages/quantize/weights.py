@@ -14,6 +14,7 @@ import numpy as np
 from stages.config import PipelineConfig
 from stages.contract import (
     LUT_INPUTS,
+    LutSpec,
 )
 from stages.encoding import Encoding
 from stages.gptq import Hessian, best_scales, gptq
@@ -739,7 +740,7 @@ def matmul_float_weights(src: Path) -> dict[str, np.ndarray]:
     }
 
 
-def lut_input_encodings(luts: dict[str, dict[str, Any]], graph_tensors: set[str]) -> dict[str, Encoding]:
+def lut_input_encodings(luts: dict[str, LutSpec], graph_tensors: set[str]) -> dict[str, Encoding]:
     """The encoding each LUT-fed input of a graph must have: its LUT's (export report `luts`), or for a
     4-bit LUT the 8-bit encoding Genie fills exactly from it (`Encoding.graph_input_of_lut`)."""
     return {

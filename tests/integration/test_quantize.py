@@ -11,6 +11,7 @@ import onnx
 import pytest
 
 from stages.config import load_config
+from stages.contract import LutSpec
 from stages.download import run_download
 from stages.encoding import Encoding
 from stages.export import run_export
@@ -127,7 +128,7 @@ def test_lut_fed_inputs_are_read_with_their_luts_exact_encoding(sm8450):
     for g in report["figures"]["graphs"]:
         for tensor, found in g["audit"]["lut_inputs"].items():
             key = {"inputs_embeds": "embedding", "per_layer_inputs": "per_layer_embedding"}[tensor]
-            assert found["input"] == found["lut"] == Encoding.of_lut(luts[key]).to_dict()
+            assert found["input"] == found["lut"] == Encoding.of_lut(LutSpec(**luts[key])).to_dict()
             seen.add((g["name"].split("_")[0], tensor))
     assert seen == {(r, t) for r in ("prefill", "decode") for t in ("inputs_embeds", "per_layer_inputs")}
     assert luts["per_layer_embedding"]["bits"] == 8

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from stages.contract import LutSpec
 from stages.encoding import (
     COPY,
     REQUANTIZE,
@@ -65,7 +66,8 @@ def test_onnx_zero_point_is_minus_the_qnn_offset():
 
 
 def test_report_descriptions_become_encodings():
-    assert Encoding.of_lut({"bits": 8, "scale": 0.5, "offset": -114}) == Encoding("ufixed8", 0.5, -114)
+    lut = LutSpec(path="luts/x.bin", rows=4, size=2, bits=8, scale=0.5, offset=-114)
+    assert Encoding.of_lut(lut) == Encoding("ufixed8", 0.5, -114)
     assert Encoding.of_io({"dtype": "uint16", "shape": [1], "scale": 0.25, "offset": -3}) == Encoding(
         "ufixed16", 0.25, -3
     )

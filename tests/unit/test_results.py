@@ -27,7 +27,8 @@ def test_a_written_report_reads_back_typed(tmp_path: Path) -> None:
         )
     compiled = read_result(tmp_path, "compile", CompileResult)
     assert compiled is not None and compiled.folder == out
-    assert [b["file"] for b in compiled.binaries] == ["a.bin"] and compiled.dsp_arch == "v69"
+    assert [b.file for b in compiled.binaries] == ["a.bin"] and compiled.dsp_arch == "v69"
+    assert compiled.backend.qairt_version == "2.51.0" and compiled.binaries[0].graphs == ()
     assert compiled.report.options == {"soc": "SM8450"} and compiled.report.wall_s >= 0
     assert [o["path"] for o in compiled.report.outputs] == ["a.bin"]
 

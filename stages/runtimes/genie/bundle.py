@@ -45,7 +45,7 @@ from stages.report import (
     read_report,
     sha256_file,
 )
-from stages.results import CompileResult, ExportResult, require_result
+from stages.results import CompileResult, ExportResult, StageReport, require_result
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.files import GENIE_CONFIG, HTP_EXT_CONFIG, MANIFEST, TOKENIZER, TOKENIZER_CONFIG
 from stages.runtimes.genie.rules import dialog_context_size, sampler_problems
@@ -67,7 +67,7 @@ class BundleError(RuntimeFailure):
 # ---- the render context ----
 def _io(compiled: CompileResult) -> dict[str, dict[str, dict[str, Any]]]:
     """Graph name -> {"inputs": {tensor: encoding}, "outputs": {...}} over every binary."""
-    return {g["name"]: g["io"] for b in compiled.binaries for g in b["graphs"]}
+    return compiled.graph_io
 
 
 def _first(io: dict, direction: str, name: str) -> dict[str, Any]:
@@ -168,12 +168,12 @@ def render_context(
     luts = {}
     for key, lut in exported.luts.items():
         luts[GENIE_LUT_SECTION[key]] = {
-            "path": Path(lut["path"]).name,
-            "size": lut["size"],
-            "datatype": GENIE_LUT_DATATYPES[lut["bits"]],
-            "scale": lut["scale"],
-            "offset": lut["offset"],
-            "source": lut["path"],
+            "path": Path(lut.path).name,
+            "size": lut.size,
+            "datatype": GENIE_LUT_DATATYPES[lut.bits],
+            "scale": lut.scale,
+            "offset": lut.offset,
+            "source": lut.path,
         }
     return {
         "context": {
@@ -191,14 +191,14 @@ def render_context(
             "kv_dim": backend_kv_dim(dims),
             "extensions": HTP_EXT_CONFIG,
         },
-        "ctx_bins": [b["file"] for b in compiled.binaries],
+        "ctx_bins": [b.file for b in compiled.binaries],
         "ropes": ropes,
         "cache_groups": groups,
         "luts": luts,
         "soc": {"soc_model": soc.soc_model, "dsp_arch": soc.dsp_arch},
         "perf_profile": "burst",
         "rpc_control_latency": 100,
-        "weight_sharing": any(b["weight_shared"] for b in compiled.binaries),
+        "weight_sharing": any(b.weight_shared for b in compiled.binaries),
     }
 
 
@@ -464,14 +464,14 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     compiled_dir, export_dir = output_dir(workdir, "compile"), output_dir(workdir, "export")
     compiled = require_result(workdir, "compile", CompileResult, BundleError)
     exported = require_result(workdir, "export", ExportResult, BundleError)
-    luts = [export_dir / v["path"] for v in exported.luts.values()]
+    luts = [export_dir / v.path for v in exported.luts.values()]
     job = StageJob("bundle", cfg, workdir)
     job.check([compiled_dir, export_dir / REPORT_NAME, checkpoint_dir, *luts])
     context = render_context(cfg, checkpoint_dir, exported, compiled)
     genie = render("genie_config.json.j2", context)
     htp_ext = render("htp_backend_ext_config.json.j2", context)
     # Files the bundle will hold, by name, from where they are now.
-    files: dict[str, Path] = {b["file"]: compiled_dir / b["file"] for b in compiled.binaries}
+    files: dict[str, Path] = {b.file: compiled_dir / b.file for b in compiled.binaries}
     for lut in context["luts"].values():
         files[lut["path"]] = export_dir / lut["source"]
     files[TOKENIZER] = checkpoint_dir / TOKENIZER
@@ -503,7 +503,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     tok_cfg_path = checkpoint_dir / TOKENIZER_CONFIG
     tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.is_file() else {}
     tok_cfg["chat_template"] = join_adjacent_string_literals(chat_template(checkpoint_dir))
-    download = read_report(checkpoint_dir) or {}
+    download = StageReport.read(checkpoint_dir) or StageReport("download")
     inputs = [compiled_dir / REPORT_NAME, export_dir / REPORT_NAME, *files.values()]
     need = sum(p.stat().st_size for p in files.values())
     with job.output(inputs, need) as run:
@@ -521,19 +521,19 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
             "soc": cfg.soc,
             "soc_model": cfg.soc_info.soc_model,
             "dsp_arch": cfg.soc_info.dsp_arch,
-            "qairt_version": compiled.backend["qairt_version"],
+            "qairt_version": compiled.backend.qairt_version,
             "genie_config": GENIE_CONFIG,
             "htp_backend_ext_config": HTP_EXT_CONFIG,
             "binaries": context["ctx_bins"],
             "checkpoint": {
                 "model": cfg.model,
-                "revision": (download.get("figures") or {}).get("revision", cfg.model_revision),
-                "files": [f for f in download.get("outputs", []) if f["path"] != REPORT_NAME],
+                "revision": download.figures.get("revision", cfg.model_revision),
+                "files": [f for f in download.outputs if f.get("path") != REPORT_NAME],
             },
             "config": cfg.to_dict(),
-            "compiler": compiled.backend["name"],
+            "compiler": compiled.backend.name,
             "tool_versions": {
-                stage: (read_report(d) or {}).get("tool_versions", {})
+                stage: (StageReport.read(d) or StageReport(stage)).tool_versions
                 for stage, d in (
                     ("export", export_dir),
                     ("quantize", output_dir(workdir, "quantize")),

@@ -215,7 +215,7 @@ def read_graphs(bundle_dir: Path, compiled: CompileResult) -> list[Graph]:
     from stages.runtimes.genie.files import GENIE_CONFIG
 
     cfg = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-    records = {b["file"]: b for b in compiled.binaries}
+    records = {b.file: b for b in compiled.binaries}
     graphs = []
     files = cfg["engine"]["model"]["binary"]["ctx-bins"]
     twice = sorted({f for f in files if files.count(f) > 1})
@@ -228,15 +228,15 @@ def read_graphs(bundle_dir: Path, compiled: CompileResult) -> list[Graph]:
         rec = records.get(file)
         if rec is None or not path.is_file():
             raise EmulatorError(f"ctx-bin {file}: missing from the bundle or unknown to compiled/report.json")
-        if sha256_file(path) != rec["sha256"]:
+        if sha256_file(path) != rec.sha256:
             raise EmulatorError(f"{path}: not the binary compiled/report.json describes (sha256 differs)")
-        for g in rec["graphs"]:
-            io = g["io"]
+        for g in rec.graphs:
+            io = g.io
             graphs.append(
                 Graph(
                     file=file,
-                    qnn_name=g["qnn_graph_name"],
-                    name=g["name"],
+                    qnn_name=g.qnn_graph_name,
+                    name=g.name,
                     inputs={n: Tensor.from_record(n, r) for n, r in io["inputs"].items()},
                     outputs={n: Tensor.from_record(n, r) for n, r in io["outputs"].items()},
                 )

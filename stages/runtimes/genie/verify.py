@@ -74,7 +74,7 @@ def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: CompileResult,
     """Every way the bundle disagrees with itself, its binaries' graphs or the model (empty: none)."""
     problems = check_manifest(bundle_dir)
     genie = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-    binaries = {b["file"]: b for b in compiled.binaries}
+    binaries = {b.file: b for b in compiled.binaries}
     inputs: dict[str, list[int]] = {}
     outputs: dict[str, list[int]] = {}
     for name in genie["engine"]["model"]["binary"]["ctx-bins"]:
@@ -83,14 +83,14 @@ def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: CompileResult,
             problems.append(f"ctx-bin {name}: not a binary of the compile stage, or missing from the bundle")
             continue
         data = path.read_bytes()
-        for graph in binaries[name]["graphs"]:
-            source = quantized_dir / qdq_file_name(graph["name"])
+        for graph in binaries[name].graphs:
+            source = quantized_dir / qdq_file_name(graph.name)
             if not source.is_file():
                 problems.append(f"{name}: its source graph {source} is missing")
                 continue
             io = _graph_io(source)
             for direction in ("inputs", "outputs"):
-                recorded = {t: e["shape"] for t, e in graph["io"][direction].items()}
+                recorded = {t: e["shape"] for t, e in graph.io[direction].items()}
                 if recorded != io[direction]:
                     problems.append(f"{name}: graph {direction} differ from {source.name}")
             absent = [t for d in io.values() for t in d if t.encode() not in data]
@@ -133,7 +133,7 @@ def config_vs_sources(
         if got != want:
             problems.append(f"genie_config.json {what} is {got!r}, {source} says {want!r}")
 
-    built = [b["file"] for b in compiled.binaries]
+    built = [b.file for b in compiled.binaries]
     expect(
         "engine.model.binary.ctx-bins",
         dialog["engine"]["model"]["binary"]["ctx-bins"],
@@ -164,7 +164,8 @@ def config_vs_sources(
 def bundle_runner(bundle_dir: Path, export_dir: Path, quantized_dir: Path):
     """The host runner on the bundle's own LUT files (quantization from its genie_config.json) and the
     quantized graphs its binaries were compiled from."""
-    from stages.runner import HostRunner, LutEmbedder, LutSpec
+    from stages.contract import LutSpec
+    from stages.runner import HostRunner, LutEmbedder
 
     runner = HostRunner.from_export(export_dir, luts=True, graph_dir=quantized_dir)
     genie = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
