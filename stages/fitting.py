@@ -674,17 +674,6 @@ def limit_checks(
 # variant choice (smallest AR >= the tokens, else the largest) makes a third kind useless.
 LAYOUT_ARS = (1, 2, 4, 8, 16, 32, 64, 128)
 
-# How Genie runs each layout (qualla KVCache/kvmanager.cpp prepareInferenceStrategy: it picks the
-# smallest AR >= the tokens to process, else the largest, and pads the last chunk on that graph).
-GENIE_SEPARATE = "prompt in AR-{p} chunks (last one padded), each new token through AR-{d}"
-GENIE_ONE_KIND_SMALL = (
-    "every prompt token is its own AR-{d} call: time to first token = prompt length / decode rate"
-)
-GENIE_ONE_KIND_LARGE = (
-    "prompt in AR-{p} chunks; each new token is an AR-{p} call with 1 of {p} rows used ({p}x the "
-    "compute per decoded token)"
-)
-
 # The layout rule, stated once: `rule_layout` applies it, `make plan` prints it.
 LAYOUT_RULE = (
     "among the layouts the runtime accepts that fit every memory limit of the target phone and meet "
@@ -719,10 +708,11 @@ class LayoutPlan:
 def layout_configs(geo: Geometry, cfg: PipelineConfig) -> list[tuple[PipelineConfig, str]]:
     """The config at every built precision the SoC runs, in one graph kind per part at each AR of
     LAYOUT_ARS and with separate prefill (each AR above 1) and AR-1 decode graphs, plus the config's
-    own layout; only layouts the runtime accepts for this model (`Runtime.layout_problems`)."""
+    own layout; only layouts the config's runtime accepts for this model (`Runtime.layout_problems`),
+    each with how that runtime runs it (`Runtime.describe_layout`)."""
     from stages.runtimes import get_runtime
 
-    runtime = get_runtime()
+    runtime = get_runtime(cfg.runtime)
     ars = [ar for ar in LAYOUT_ARS if ar < cfg.max_context]
     pairs = {(ar, ar) for ar in ars} | {(ar, 1) for ar in ars if ar > 1} | {(cfg.prefill_ar, cfg.decode_ar)}
     out = []
@@ -732,8 +722,7 @@ def layout_configs(geo: Geometry, cfg: PipelineConfig) -> list[tuple[PipelineCon
             variant = dataclasses.replace(base, prefill_ar=pa, decode_ar=da)
             if runtime.layout_problems(variant, geo):
                 continue
-            how = GENIE_SEPARATE if pa != da else GENIE_ONE_KIND_SMALL if pa == 1 else GENIE_ONE_KIND_LARGE
-            out.append((variant, how.format(p=pa, d=da)))
+            out.append((variant, runtime.describe_layout(pa, da)))
     return out
 
 

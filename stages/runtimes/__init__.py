@@ -36,6 +36,11 @@ class Runtime(Protocol):
         each: `make plan` and the export stage refuse it before anything is built."""
         ...
 
+    def describe_layout(self, prefill_ar: int, decode_ar: int) -> str:
+        """How this runtime runs a layout of these graph kinds (equal ARs: one kind), in one line for
+        `make plan`'s layout table."""
+        ...
+
     def package(self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
         """The bundle stage: the compiled binaries and what the runtime needs beside them; its report."""
         ...

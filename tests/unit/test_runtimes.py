@@ -16,7 +16,7 @@ def test_each_runtime_implements_the_interface(name):
     assert isinstance(runtime, Runtime) and runtime.name == name
     # Its package lives under stages/runtimes/<name>/, where a newcomer looks for it.
     assert importlib.import_module(RUNTIMES[name]).__name__ == f"stages.runtimes.{name}"
-    for method in ("layout_problems", "package", "check", "push", "run"):
+    for method in ("layout_problems", "describe_layout", "package", "check", "push", "run"):
         want = list(inspect.signature(getattr(Runtime, method)).parameters)[1:]
         assert list(inspect.signature(getattr(runtime, method)).parameters) == want, method
 
@@ -86,3 +86,20 @@ def test_genie_refuses_a_step_as_wide_as_the_sliding_window_before_export(tmp_pa
         run_export(wide, tmp_path, ckpt)
     assert str(e.value) == reason
     assert not (tmp_path / "exported").exists()
+
+
+def test_the_plan_takes_its_layout_wording_from_the_runtime():
+    """How each layout runs is the runtime's to say (Runtime.describe_layout), not the planner's."""
+    from pathlib import Path
+
+    from stages.config import load_config
+    from stages.fitting import layout_configs
+    from stages.geometry import builtin_geometry
+
+    genie = get_runtime("genie")
+    assert "AR-4 chunks" in genie.describe_layout(4, 1) and "own AR-1 call" in genie.describe_layout(1, 1)
+    cfg = load_config("tiny")
+    for variant, how in layout_configs(builtin_geometry("tiny"), cfg):
+        assert how == genie.describe_layout(variant.prefill_ar, variant.decode_ar)
+    planner = (Path(__file__).parents[2] / "stages" / "fitting.py").read_text()
+    assert "prepareInferenceStrategy: it picks" not in planner and "chunks (last one padded)" not in planner

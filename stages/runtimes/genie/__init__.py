@@ -38,6 +38,11 @@ class GenieRuntime:
                 problems.append(window_not_written(CACHE_PREFIX[SLIDING], ar, slots))
         return problems
 
+    def describe_layout(self, prefill_ar: int, decode_ar: int) -> str:
+        from stages.runtimes.genie.rules import layout_behaviour
+
+        return layout_behaviour(prefill_ar, decode_ar)
+
     def package(self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
         from stages.chat import ChatError
         from stages.runtimes.genie.bundle import BundleError, run_bundle

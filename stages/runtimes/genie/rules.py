@@ -80,3 +80,24 @@ def sampler_problems(sampler: dict, n_vocab: int) -> list[str]:
     if top_p is not None and not 0 <= top_p <= 1:
         problems.append(f"sampler.top-p is {top_p}; Genie's schema needs 0 <= top-p <= 1")
     return problems
+
+
+# How Genie runs each layout (qualla KVCache/kvmanager.cpp prepareInferenceStrategy: it picks the
+# smallest AR >= the tokens to process, else the largest, and pads the last chunk on that graph).
+SEPARATE_KINDS = "prompt in AR-{p} chunks (last one padded), each new token through AR-{d}"
+ONE_KIND_SMALL = (
+    "every prompt token is its own AR-{d} call: time to first token = prompt length / decode rate"
+)
+ONE_KIND_LARGE = (
+    "prompt in AR-{p} chunks; each new token is an AR-{p} call with 1 of {p} rows used ({p}x the "
+    "compute per decoded token)"
+)
+
+
+def layout_behaviour(prefill_ar: int, decode_ar: int) -> str:
+    """How Genie runs prefill and decode graphs of these ARs (one graph kind where they are equal)."""
+    if prefill_ar != decode_ar:
+        how = SEPARATE_KINDS
+    else:
+        how = ONE_KIND_SMALL if prefill_ar == 1 else ONE_KIND_LARGE
+    return how.format(p=prefill_ar, d=decode_ar)
