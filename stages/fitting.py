@@ -400,13 +400,12 @@ def job_disk_bytes(
     return checkpoint + exported + quantized + compiled + bundle
 
 
-def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
-    soc = cfg.soc_info
+def _part_plans(geo: Geometry, cfg: PipelineConfig, bounds: list[range]) -> tuple[list[PartPlan], int]:
+    """Each part's weights priced at the config's precision, and the bytes of 4-bit weights in them
+    (what unpacking them to 8 bits would add)."""
     head, tail = part_extras(geo)
-    bounds = part_layers(geo, cfg)
-
     parts: list[PartPlan] = []
-    four_bit = 0  # bytes of 4-bit weights in the parts: what unpacking them to 8 bits would add
+    four_bit = 0
     for i, layer_range in enumerate(bounds, start=1):
         tensors: list[Tensor] = []
         holds = [f"layers {layer_range.start}-{layer_range.stop - 1}"]
@@ -428,7 +427,13 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
                 holds=holds,
             )
         )
+    return parts, four_bit
 
+
+def _graph_plans(
+    geo: Geometry, cfg: PipelineConfig, parts: list[PartPlan], bounds: list[range]
+) -> tuple[list[GraphPlan], dict[str, Allocation]]:
+    """Every shipped graph with its estimated allocation, by graph name."""
     graphs: list[GraphPlan] = []
     allocations: dict[str, Allocation] = {}
     for kind in graph_kinds(cfg):
@@ -449,9 +454,15 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
                     allocation=alloc.to_dict(),
                 )
             )
+    return graphs, allocations
 
-    # A weight-shared binary holds its part's weights once; its graphs never run at the same time,
-    # so the largest one's activations bound the rest.
+
+def _binary_plans(
+    cfg: PipelineConfig, parts: list[PartPlan], allocations: dict[str, Allocation]
+) -> list[BinaryPlan]:
+    """The context binaries, each with its weights and estimated allocation. A weight-shared binary
+    holds its part's weights once; its graphs never run at the same time, so the largest one's
+    activations bound the rest."""
     binaries = []
     for b in binary_layout(cfg):
         allocs = [allocations[g] for g in b.graphs]
@@ -465,10 +476,52 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
                 estimated_allocation=weights + max(a.total - a.weights for a in allocs),
             )
         )
+    return binaries
 
+
+def _lut_bytes(geo: Geometry, cfg: PipelineConfig) -> dict[str, int]:
     luts = {"embedding": geo.embedding.numel * EMBEDDING_LUT_BITS // 8}
     if geo.ple_table is not None:
         luts["per_layer_embedding"] = geo.ple_table.numel * cfg.ple_lut_bits // 8
+    return luts
+
+
+def _plan_warnings(
+    cfg: PipelineConfig, extra_separate: int, luts: dict[str, int], limits: list[LimitCheck]
+) -> list[str]:
+    """What the plan warns about: weights stored twice without weight sharing (`extra_separate`
+    bytes), a LUT over Genie's size limit, every limit not met."""
+    soc = cfg.soc_info
+    warnings = []
+    if cfg.separate_prefill_and_decode and not soc.weight_sharing:
+        warnings.append(
+            f"{soc.name} ({soc.dsp_arch}) has no weight sharing: prefill and decode binaries each "
+            f"carry their own weights ({fmt_gib(extra_separate)} more on the device); set "
+            f"PREFILL_AR equal to DECODE_AR to ship one graph per part instead"
+        )
+    for name, size in luts.items():
+        if size > GENIE_LUT_LIMIT_BYTES:
+            warnings.append(
+                f"{name} LUT is {fmt_gib(size)}, over Genie's 4 GiB LUT limit (uint32 sizes); "
+                "use ple_lut_bits=8"
+            )
+    warnings += [
+        f"over the {c.limit}: {fmt_gib(c.needed_bytes)} > {fmt_gib(c.limit_bytes)}"
+        for c in limits
+        if not c.meets
+    ]
+    return warnings
+
+
+def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
+    """The config priced on this geometry: its parts, graphs and binaries (`_part_plans`,
+    `_graph_plans`, `_binary_plans`), memory, each graph kind's call cost, the limits and warnings."""
+    soc = cfg.soc_info
+    bounds = part_layers(geo, cfg)
+    parts, four_bit = _part_plans(geo, cfg, bounds)
+    graphs, allocations = _graph_plans(geo, cfg, parts, bounds)
+    binaries = _binary_plans(cfg, parts, allocations)
+    luts = _lut_bytes(geo, cfg)
 
     kv = kv_cache_bytes(geo, cfg)
     shared = sum(p.bytes for p in parts)
@@ -509,24 +562,7 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
 
     four_bit *= len(binaries) // len(parts)  # each part's weights are stored this many times
     limits = limit_checks(cfg, binaries, mapped, device, device + four_bit)
-    warnings = []
-    if cfg.separate_prefill_and_decode and not soc.weight_sharing:
-        warnings.append(
-            f"{soc.name} ({soc.dsp_arch}) has no weight sharing: prefill and decode binaries each "
-            f"carry their own weights ({fmt_gib(separate - shared)} more on the device); set "
-            f"PREFILL_AR equal to DECODE_AR to ship one graph per part instead"
-        )
-    for name, size in luts.items():
-        if size > GENIE_LUT_LIMIT_BYTES:
-            warnings.append(
-                f"{name} LUT is {fmt_gib(size)}, over Genie's 4 GiB LUT limit (uint32 sizes); "
-                "use ple_lut_bits=8"
-            )
-    warnings += [
-        f"over the {c.limit}: {fmt_gib(c.needed_bytes)} > {fmt_gib(c.limit_bytes)}"
-        for c in limits
-        if not c.meets
-    ]
+    warnings = _plan_warnings(cfg, separate - shared, luts, limits)
 
     return Plan(
         model=cfg.model,
