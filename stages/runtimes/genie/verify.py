@@ -315,6 +315,91 @@ def wrap_run(emulator, prompt_ids: list[int]) -> None:
     emulator.prefill_rows((list(prompt_ids) * (length // max(len(prompt_ids), 1) + 1))[:length])
 
 
+def _prompt_ids(emulator, bundle_dir: Path, checkpoint_dir: Path, prompt: str) -> list[int]:
+    """The prompt's ids as the phone gets them: `make run`'s text from the bundle's chat template,
+    then what Genie does with it (bos-token, the tokenizer tokenizer.path names), checked equal to
+    what the checkpoint's own template gives transformers."""
+    from stages.chat import ChatTokenizer, render_chat
+    from stages.runtimes.genie.prompt import query_text
+
+    prompt_ids = emulator.query_ids(query_text(bundle_dir, prompt))
+    want_ids = ChatTokenizer(checkpoint_dir).chat_ids(prompt)
+    if prompt_ids != want_ids:
+        at = next((i for i, (a, b) in enumerate(zip(prompt_ids, want_ids, strict=False)) if a != b), None)
+        at = min(len(prompt_ids), len(want_ids)) if at is None else at
+        if render_chat(bundle_dir, prompt) != render_chat(checkpoint_dir, prompt):
+            cause = "its tokenizer_config.json chat_template renders the prompt unlike the checkpoint's"
+        else:
+            cause = "Genie's query (bos-token, then the text through tokenizer.path) differs from it"
+        raise VerifyError(
+            f"{bundle_dir}: the prompt reaches Genie as {len(prompt_ids)} ids, the checkpoint's chat "
+            f"template gives {len(want_ids)}, first different at position {at}: {cause}"
+        )
+    return prompt_ids
+
+
+def _run_real_genie(
+    cfg: PipelineConfig,
+    geo,
+    genie: dict[str, Any],
+    bundle_dir: Path,
+    workdir: Path,
+    prompt: str,
+    prompt_ids: list[int],
+    tok,
+    engine: str,
+    max_new_tokens: int,
+):
+    """The runtime the phone runs first: QAIRT's own libGenie.so on the ctx-bins (real_checks.py):
+    every case with the htp engine (the tiny presets), one short query with the others (E2B
+    geometry). Its logs go under WORKDIR/.g4v69/."""
+    from stages.runtimes.genie.prompt import query_text
+
+    logs = Path(workdir) / STAMP_DIR / GENIE_LOGS
+    try:
+        if engine != "htp":
+            return run_short(bundle_dir, query_text(bundle_dir, prompt), prompt_ids, SHORT_QUERY_TOKENS, logs)
+        return run_cases(
+            bundle_dir,
+            prompt,
+            query_text(bundle_dir, prompt),
+            query_text(bundle_dir, FOLLOW_UP),
+            prompt_ids,
+            tok.encode,
+            int(genie["context"]["bos-token"]),
+            max(cfg.prefill_ar, geo.sliding_window),
+            max_new_tokens,
+            int(genie["context"]["size"]),
+            logs,
+        )
+    except RealGenieError as e:
+        raise VerifyError(f"{bundle_dir}: {e}") from None
+
+
+def _transformers_answers(
+    checkpoint_dir: Path,
+    prompt_ids: list[int],
+    sample: list[int] | None,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    prefill_ar: int,
+):
+    """transformers on the checkpoint: its greedy answer, its logits along that answer (every chain
+    is compared on the same tokens at every position), and on the held-out sample past its first
+    `head` tokens (the prefill the chains take as one call): (answer, logits, held-out logits, head).
+    The float model is dropped before returning (E2B: several GB)."""
+    from stages.reference import greedy_tokens, logits_of, transformers_model
+
+    model = transformers_model(checkpoint_dir)
+    theirs = greedy_tokens(model, prompt_ids, max_new_tokens, stop_ids)
+    ref = logits_of(model, prompt_ids + theirs[:-1])[len(prompt_ids) - 1 :]
+    head = min(prefill_ar, len(sample) - 1) if sample is not None else 0
+    want = logits_of(model, sample[:-1])[head - 1 :] if sample is not None else None
+    del model
+    gc.collect()
+    return theirs, ref, want, head
+
+
 def run_verify(
     cfg: PipelineConfig,
     workdir: Path,
@@ -329,12 +414,10 @@ def run_verify(
     """The whole stage; returns its report. A broken bundle, or one below the thresholds, raises
     VerifyError. engine: htp, replay or cpu (None: the config's verify_engine). heldout_check=False
     (VERIFY_HELDOUT=off) skips the held-out text, and the report says so."""
-    from stages.chat import ChatTokenizer, render_chat
+    from stages.chat import ChatTokenizer
     from stages.checkpoint import Checkpoint, stop_token_ids
-    from stages.reference import greedy_tokens, logits_of, transformers_model
     from stages.runtimes.genie.bundle import GENIE_VALIDATOR
     from stages.runtimes.genie.emulator import GENIE_BEHAVIOURS, EmulatorError, GenieEmulator
-    from stages.runtimes.genie.prompt import query_text
     from stages.runtimes.genie.replay import ReplayPlan, replay, replay_budget_s
     from stages.runtimes.genie.rules import sampler_is_greedy
 
@@ -365,22 +448,7 @@ def run_verify(
         emulator = GenieEmulator(bundle_dir, compiled, "cpu" if engine == "replay" else engine, quantized_dir)
     except EmulatorError as e:
         raise VerifyError(f"{bundle_dir}: Genie would not run it correctly: {e}") from None
-    # The prompt as the phone gets it: `make run`'s text from the bundle's chat template, then what
-    # Genie does with it (bos-token, the tokenizer tokenizer.path names); transformers reads the
-    # checkpoint's own template.
-    prompt_ids = emulator.query_ids(query_text(bundle_dir, prompt))
-    want_ids = ChatTokenizer(checkpoint_dir).chat_ids(prompt)
-    if prompt_ids != want_ids:
-        at = next((i for i, (a, b) in enumerate(zip(prompt_ids, want_ids, strict=False)) if a != b), None)
-        at = min(len(prompt_ids), len(want_ids)) if at is None else at
-        if render_chat(bundle_dir, prompt) != render_chat(checkpoint_dir, prompt):
-            cause = "its tokenizer_config.json chat_template renders the prompt unlike the checkpoint's"
-        else:
-            cause = "Genie's query (bos-token, then the text through tokenizer.path) differs from it"
-        raise VerifyError(
-            f"{bundle_dir}: the prompt reaches Genie as {len(prompt_ids)} ids, the checkpoint's chat "
-            f"template gives {len(want_ids)}, first different at position {at}: {cause}"
-        )
+    prompt_ids = _prompt_ids(emulator, bundle_dir, checkpoint_dir, prompt)
     tok = ChatTokenizer(bundle_dir)
     # Read before the long runs, so that missing held-out text fails at once.
     sample = None
@@ -389,30 +457,11 @@ def run_verify(
     stop_ids = set(stop_token_ids(checkpoint_dir))
     room = genie["context"]["size"] - len(prompt_ids) - (-len(prompt_ids)) % cfg.prefill_ar
     max_new_tokens = max(1, min(max_new_tokens, room))
-    # First the runtime the phone runs: QAIRT's own libGenie.so on the ctx-bins (real_checks.py): every
-    # case with the htp engine (the tiny presets), one short query with the others (E2B geometry).
-    logs = Path(workdir) / STAMP_DIR / GENIE_LOGS
-    try:
-        if not real_genie:
-            real = None
-        elif engine == "htp":
-            real = run_cases(
-                bundle_dir,
-                prompt,
-                query_text(bundle_dir, prompt),
-                query_text(bundle_dir, FOLLOW_UP),
-                prompt_ids,
-                tok.encode,
-                int(genie["context"]["bos-token"]),
-                max(cfg.prefill_ar, geo.sliding_window),
-                max_new_tokens,
-                int(genie["context"]["size"]),
-                logs,
-            )
-        else:
-            real = run_short(bundle_dir, query_text(bundle_dir, prompt), prompt_ids, SHORT_QUERY_TOKENS, logs)
-    except RealGenieError as e:
-        raise VerifyError(f"{bundle_dir}: {e}") from None
+    real = (
+        _run_real_genie(cfg, geo, genie, bundle_dir, workdir, prompt, prompt_ids, tok, engine, max_new_tokens)
+        if real_genie
+        else None
+    )
     try:
         # Greedy whatever the config's sampler: the one run that can be compared token by token.
         emulator.record = ReplayPlan() if engine == "replay" else None
@@ -432,18 +481,13 @@ def run_verify(
     # One big thing in memory at a time: the CPU engine's graphs, then the float model, then the
     # graphs again (E2B: several GB each).
     emulator.engine.close()
-    model = transformers_model(checkpoint_dir)
-    theirs = greedy_tokens(model, prompt_ids, max_new_tokens, stop_ids)
+    theirs, ref, want, head = _transformers_answers(
+        checkpoint_dir, prompt_ids, sample, max_new_tokens, stop_ids, cfg.prefill_ar
+    )
     real_wants = {
         case: ("transformers" if case == "chat" else "the emulator", [t for t in tokens if t not in stop_ids])
         for case, tokens in {"chat": theirs, **emulated_long}.items()
     }
-    # Top-1 along transformers' greedy path: every chain reads the same tokens at every position.
-    ref = logits_of(model, prompt_ids + theirs[:-1])[len(prompt_ids) - 1 :]
-    head = min(cfg.prefill_ar, len(sample) - 1) if sample is not None else 0
-    want = logits_of(model, sample[:-1])[head - 1 :] if sample is not None else None
-    del model
-    gc.collect()
     common = next((i for i, (a, b) in enumerate(zip(ours.tokens, theirs, strict=False)) if a != b), None)
     common = min(len(ours.tokens), len(theirs)) if common is None else common
     emulated = emulator.logits_along(prompt_ids, theirs[:-1])
