@@ -55,15 +55,32 @@ def audit(
     LUT-fed inputs (`lut_input_encodings`), each of which must be read with exactly its LUT's encoding.
     `kept_grids` (weight name -> its RoundedWeight) are weights on their checkpoint's own grid: each
     must hold exactly those integers, in blocks of that grid's group where it has block scales."""
-    kept_grids = kept_grids or {}
-    import onnx
-
-    graph = qmodel.graph
-    view = QdqGraph(graph)
-    inits, producer, tensor_type = view.inits, view.producer, view.stored_type
-
-    nodes = {n.name: n for n in graph.node}
+    view = QdqGraph(qmodel.graph)
     problems: list[str] = []
+    act = _activation_matmuls(cfg, qmodel.graph, analysis, view, problems)
+    kv_encodings = _kv_encodings(qmodel.graph, analysis, view, problems)
+    weights = _weights(cfg, qmodel.graph, view, int8_weights, kept_grids or {}, problems)
+    ple = _ple_tensors(cfg, qmodel.graph, analysis, view, problems)
+    leftover = _float_leftovers(qmodel.graph, analysis, view, problems)
+    lut_fed = _lut_inputs(qmodel.graph, lut_inputs, view, problems)
+    return {
+        "activation_matmuls": act,
+        "weights": weights,
+        "kv_encodings": kv_encodings,
+        "ple_tensors": ple,
+        "float_leftovers": leftover,
+        "lut_inputs": lut_fed,
+        "problems": problems,
+    }
+
+
+def _activation_matmuls(
+    cfg, graph, analysis: GraphAnalysis, view, problems: list[str]
+) -> list[dict[str, Any]]:
+    """The MatMuls of two activations (attention's), each operand's type: without 16x16 matmuls the
+    second must be the KV cache's width."""
+    tensor_type = view.stored_type
+    nodes = {n.name: n for n in graph.node}
     kv_bits = {8: "uint8", 16: "uint16"}[cfg.kv_cache_bits]
     act = []
     for name, _ in analysis.act_matmuls:
@@ -74,7 +91,14 @@ def audit(
             problems.append(
                 f"{name}: second operand is {types[1]}, {cfg.soc} needs {kv_bits} (no 16x16 matmul)"
             )
-    # One encoding per KV group: the cache input, the new entries and what the MatMul reads.
+    return act
+
+
+def _kv_encodings(graph, analysis: GraphAnalysis, view, problems: list[str]) -> dict[str, list]:
+    """One encoding per KV group: the cache input, the new entries and what the MatMul reads."""
+    import onnx
+
+    inits = view.inits
     scale_of = {}
     for n in graph.node:
         if n.op_type == "QuantizeLinear" and n.input[1] in inits:
@@ -89,7 +113,20 @@ def audit(
         kv_encodings[f"{which}_{layer}"] = sorted(found)
         if len(found) != 1:
             problems.append(f"{which} cache of layer {layer}: {len(found)} encodings {sorted(found)}")
-    # Every MatMul weight with the bits and layout its precision (or the PLE policy) gives it.
+    return kv_encodings
+
+
+def _weights(
+    cfg: PipelineConfig,
+    graph,
+    view,
+    int8_weights: frozenset[str],
+    kept_grids: dict[str, Any],
+    problems: list[str],
+) -> list[dict[str, Any]]:
+    """Every MatMul weight with the bits and layout its precision (or the PLE policy) gives it, a
+    kept checkpoint grid's integers exactly."""
+    inits, producer = view.inits, view.producer
     weights = []
     for n in graph.node:
         dq = producer.get(n.input[1]) if n.op_type == "MatMul" else None
@@ -139,6 +176,15 @@ def audit(
                 problems.append(
                     f"{name}: {int((stored != kept.q).sum())} integers differ from its checkpoint's grid"
                 )
+    return weights
+
+
+def _ple_tensors(
+    cfg: PipelineConfig, graph, analysis: GraphAnalysis, view, problems: list[str]
+) -> list[dict[str, Any]]:
+    """Every input of the PLE path's nodes, typed as the PLE policy wants it."""
+    inits, producer, tensor_type = view.inits, view.producer, view.stored_type
+    nodes = {n.name: n for n in graph.node}
     ple_names = set(analysis.ple_nodes)
 
     def origin(t: str) -> Any:
@@ -177,6 +223,13 @@ def audit(
             ok = kind == want or (want == "quantized" and kind not in ("float32", "float16"))
             if not ok:
                 problems.append(f"PLE {name}: {role} {t} is {kind}, policy {cfg.ple_policy} wants {want}")
+    return ple
+
+
+def _float_leftovers(graph, analysis: GraphAnalysis, view, problems: list[str]) -> list[str]:
+    """Float inputs outside the PLE policy: none may be left."""
+    inits, tensor_type = view.inits, view.stored_type
+    ple_names = set(analysis.ple_nodes)
     leftover = []
     for n in graph.node:
         if n.op_type in ("QuantizeLinear", "DequantizeLinear") or n.name in ple_names:
@@ -188,6 +241,14 @@ def audit(
         problems.append(
             f"{len(leftover)} float inputs outside the PLE policy, e.g. {', '.join(leftover[:3])}"
         )
+    return leftover
+
+
+def _lut_inputs(graph, lut_inputs: dict[str, Encoding], view, problems: list[str]) -> dict[str, Any]:
+    """Each LUT-fed input read with exactly its LUT's encoding."""
+    import onnx
+
+    inits = view.inits
     lut_fed = {}
     for name, want in sorted(lut_inputs.items()):
         readers = [n for n in graph.node if name in n.input]
@@ -206,12 +267,4 @@ def audit(
                 f"{name} is read as {got.describe() if got else 'float32'}, its LUT is {want.describe()}: "
                 "Genie copies LUT rows only into an input of the LUT's exact encoding"
             )
-    return {
-        "activation_matmuls": act,
-        "weights": weights,
-        "kv_encodings": kv_encodings,
-        "ple_tensors": ple,
-        "float_leftovers": leftover,
-        "lut_inputs": lut_fed,
-        "problems": problems,
-    }
+    return lut_fed
