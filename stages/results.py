@@ -84,6 +84,10 @@ class ExportResult(StageResult):
         """Genie's LUT files by key (embedding, per_layer_embedding), each path under exported/."""
         return {k: LutSpec(**v) for k, v in self.report.figures["luts"].items()}
 
+    def graph_files(self) -> dict[str, Path]:
+        """Each exported graph's ONNX file, by graph name."""
+        return {g["name"]: self.folder / g["onnx"] for g in self.graphs}
+
     @property
     def parts(self) -> list[dict[str, Any]]:
         return self.report.figures["parts"]

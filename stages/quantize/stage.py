@@ -365,6 +365,17 @@ def _providers(provider: str) -> list[str]:
     return ["ROCMExecutionProvider", "CPUExecutionProvider"]
 
 
+def _check_kv_encodings_agree(graphs: QuantizedGraphs) -> None:
+    """Every graph reads and writes each KV cache with one encoding: Genie keeps one buffer per cache."""
+    encodings: dict[str, set] = defaultdict(set)
+    for g in graphs.figures:
+        for key, found in g["audit"]["kv_encodings"].items():
+            encodings[key] |= {tuple(e) for e in found}
+    split = [k for k, v in encodings.items() if len(v) != 1]
+    if split:
+        raise QuantizeError(f"KV caches {', '.join(split)} differ in encoding between graphs")
+
+
 def run_quantize(
     cfg: PipelineConfig,
     workdir: Path,
@@ -387,7 +398,8 @@ def run_quantize(
     calibration_providers = _providers(provider)
     exported = require_result(workdir, "export", ExportResult, QuantizeError)
     export_dir = exported.folder
-    missing = [g["onnx"] for g in exported.graphs if not (export_dir / g["onnx"]).is_file()]
+    graph_files = exported.graph_files()
+    missing = [p.name for p in graph_files.values() if not p.is_file()]
     if missing:
         raise QuantizeError(
             f"{export_dir} is incomplete: {', '.join(missing)} missing; run `make export` again"
@@ -404,7 +416,7 @@ def run_quantize(
     texts = load_texts(cfg, "calibration", calibration_files, workdir)
     samples = token_samples(texts, tok.encode, bos, cfg.calibration_sequences, length)
     eval_samples, decode_steps = heldout_samples(cfg, checkpoint_dir, workdir)
-    inputs = [export_dir / REPORT_NAME] + [export_dir / g["onnx"] for g in exported.graphs]
+    inputs = [export_dir / REPORT_NAME, *graph_files.values()]
     # QDQ graphs at the weight bits, plus one float graph's calibration copies at a time.
     graph_bytes = [g["bytes"] for g in exported.graphs]
     need = sum(graph_bytes) * cfg.precision_info.weight_bits // 32 + 2 * max(graph_bytes)
@@ -426,13 +438,7 @@ def run_quantize(
         main = quantize_with(cfg, run.dir)
         if main.problems:
             raise QuantizeError("the quantized graphs break the rules: " + "; ".join(main.problems[:5]))
-        encodings: dict[str, set] = defaultdict(set)
-        for g in main.figures:
-            for key, found in g["audit"]["kv_encodings"].items():
-                encodings[key] |= {tuple(e) for e in found}
-        split = [k for k, v in encodings.items() if len(v) != 1]
-        if split:
-            raise QuantizeError(f"KV caches {', '.join(split)} differ in encoding between graphs")
+        _check_kv_encodings_agree(main)
         with main.clock.run("evaluation", tokens_of(eval_samples), len(eval_samples), "sample"):
             quality = {cfg.ple_policy: _quality(cfg, export_dir, main, eval_samples, decode_steps)}
         # The absolute floor (the preset's, for this precision): below it nothing is kept.
