@@ -92,3 +92,35 @@ def test_the_import_graph_of_stages_has_no_cycles():
     except CycleError as e:
         pytest.fail(f"import cycle in stages/: {' -> '.join(e.args[1])}")
     assert set(order) == modules
+
+
+def test_later_stages_read_the_job_and_typed_results():
+    """Compile, bundle and verify read what export worked out (`QuantizeResult.job`) and the stage
+    outputs through their typed results: no layout derived again from the config, no report dict
+    indexed by hand."""
+    import re
+
+    root = Path(__file__).parents[2] / "stages"
+    files = [
+        root / "compile.py",
+        root / "runtimes" / "genie" / "bundle.py",
+        root / "runtimes" / "genie" / "verify.py",
+    ]
+    for path in files:
+        text = path.read_text()
+        for call in ("binary_layout(", "graph_kinds(", "graph_specs(", "part_layers("):
+            assert call not in text, f"{path.name} derives the job again: {call}"
+        indexed = re.findall(r"\b(?:compiled|exported|quantized|download)\.\w+(?:\.\w+)*\s*\[", text)
+        assert not indexed, f"{path.name} indexes a stage output by hand: {indexed}"
+        assert not re.search(r"\.report\.figures\b", text), f"{path.name} reads a report's figures untyped"
+        # Keys of the earlier stages' records, read by hand; compile builds its own figures (figures,
+        # fig, gf) and the bundle checks its own manifest's entries (f).
+        keys = (
+            "file|graphs|io|weight_shared|sha256|qdq_onnx|onnx|qairt_version|bits|estimated_allocation_bytes"
+        )
+        by_hand = [
+            m.group(0)
+            for m in re.finditer(rf'\b(\w+)\["(?:{keys})"\]', text)
+            if m.group(1) not in ("figures", "fig", "gf", "f")
+        ]
+        assert not by_hand, f"{path.name} reads an earlier stage's record by hand: {by_hand}"
