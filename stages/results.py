@@ -68,7 +68,7 @@ class StageResult:
         if recorded is None:
             raise OutdatedResult(
                 f"{self.folder} was written by an earlier version and does not record its job; "
-                f"run `make {self.report.stage}` again (with FORCE=1 if Make thinks it is done)"
+                f"`make clean` (stage outputs only), then run the command again"
             )
         return Job.from_dict(recorded)
 

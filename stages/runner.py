@@ -292,19 +292,18 @@ class HostRunner:
         exported = ExportResult(export_dir, report)
         ckpt = Checkpoint(exported.checkpoint_dir)
         graphs: dict[str, list[tuple[GraphSpec, Path]]] = {}
-        for g in exported.graphs:
-            spec = GraphSpec.from_dict(g["spec"])
+        files = exported.graph_files()
+        for spec in exported.job.specs:
             if (spec.role == CALIBRATION_ROLE) != calibration_twin:
                 continue
-            path = graph_dir / qdq_file_name(spec.name) if graph_dir else export_dir / g["onnx"]
+            path = graph_dir / qdq_file_name(spec.name) if graph_dir else files[spec.name]
             graphs.setdefault("prefill" if calibration_twin else spec.role, []).append((spec, path))
         if not graphs:
             raise RunnerError(f"{export_dir / 'report.json'} lists no {'twin ' * calibration_twin}graphs")
         for parts in graphs.values():
             parts.sort(key=lambda sp: sp[0].part)
         if luts:
-            specs = exported.luts
-            embedder: Embedder = LutEmbedder(ckpt.geometry, export_dir, specs)
+            embedder: Embedder = LutEmbedder(ckpt.geometry, export_dir, exported.luts)
         else:
             embedder = CheckpointEmbedder(ckpt)
         return cls(ckpt.geometry, graphs, embedder, **kw)

@@ -38,7 +38,7 @@ def test_quantize_lays_the_binaries_out_for_its_own_soc():
     assert moved.parts == job.parts and moved.specs == job.specs
 
 
-def test_an_output_without_a_job_asks_for_the_stage_again(tmp_path):
+def test_an_output_without_a_job_asks_for_a_clean_rebuild(tmp_path):
     result = QuantizeResult(tmp_path / "quantized", StageReport(stage="quantize", figures={}))
-    with pytest.raises(OutdatedResult, match=r"run `make quantize` again"):
+    with pytest.raises(OutdatedResult, match=r"does not record its job; `make clean`"):
         result.job  # noqa: B018
