@@ -356,6 +356,16 @@ QAT_ROWS: tuple[tuple[str, str | None, dict[str, Any]], ...] = (
         "ct-group32",
         {"precision": "w4a16-lpbq"},
     ),
+    (
+        "QAT per channel, compressed-tensors, GPTQ (w4a16)",
+        "ct-channel",
+        {"precision": "w4a16", "checkpoint_grid": "ignore"},
+    ),
+    (
+        "QAT groups of 32, compressed-tensors, GPTQ (w4a16-lpbq)",
+        "ct-group32",
+        {"precision": "w4a16-lpbq", "checkpoint_grid": "ignore"},
+    ),
     ("not QAT, GPTQ (w4a16)", None, {"precision": "w4a16"}),
     ("not QAT, today's default (w4a16-mixed)", None, {"precision": "w4a16-mixed"}),
 )
