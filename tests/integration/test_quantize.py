@@ -114,8 +114,15 @@ def test_the_audit_catches_a_policy_that_was_not_applied(sm8450):
     g = report["figures"]["graphs"][0]
     model = onnx.load(str(work / "quantized" / g["qdq_onnx"]))
     analysis = analyse(onnx.load(str(export_dir / f"{g['name']}.onnx")))
-    lut_inputs = lut_input_encodings(read_report(export_dir)["figures"]["luts"], {"per_layer_inputs"})
+    lut_inputs = lut_input_encodings(exported_luts(export_dir), {"per_layer_inputs"})
     assert audit(cfg, model, analysis, lut_inputs)["problems"]
+
+
+def exported_luts(export_dir: Path) -> dict[str, LutSpec]:
+    """The export's LUTs, typed as the stages read them."""
+    from stages.results import ExportResult, StageReport
+
+    return ExportResult(export_dir, StageReport.read(export_dir)).luts
 
 
 def test_lut_fed_inputs_are_read_with_their_luts_exact_encoding(sm8450):
@@ -148,7 +155,7 @@ def test_the_audit_catches_a_float_per_layer_input(sm8450):
     nodes.remove(dq)
     export_dir = work / "exported"
     analysis = analyse(onnx.load(str(export_dir / f"{g['name']}.onnx")))
-    lut_inputs = lut_input_encodings(read_report(export_dir)["figures"]["luts"], {"per_layer_inputs"})
+    lut_inputs = lut_input_encodings(exported_luts(export_dir), {"per_layer_inputs"})
     problems = audit(load_config("tiny"), model, analysis, lut_inputs)["problems"]
     assert any(p.startswith("per_layer_inputs is read as float32, its LUT is ufixed8") for p in problems)
 
@@ -265,12 +272,11 @@ def test_two_step_quantize_equals_onnxruntimes_one_call(exported, tmp_path, meth
         graph_quant_config,
         quantize_with_ranges,
     )
-    from stages.report import read_report
 
     cfg = load_config("tiny")
     tok = ChatTokenizer(exported / "checkpoints" / "tiny")
     samples = token_samples(load_texts(cfg, "calibration"), tok.encode, 2, 2, 128)
-    lut = read_report(exported / "exported")["figures"]["luts"]["embedding"]
+    lut = exported_luts(exported / "exported")
     results = []
     for two_step in (False, True):
         runner = HostRunner.from_export(exported / "exported", luts=True)
@@ -307,12 +313,11 @@ def test_one_chain_pass_calibrates_every_graph_as_graph_by_graph(exported, tmp_p
         calibrated_ranges,
         graph_quant_config,
     )
-    from stages.report import read_report
 
     cfg = load_config("tiny")
     tok = ChatTokenizer(exported / "checkpoints" / "tiny")
     samples = token_samples(load_texts(cfg, "calibration"), tok.encode, 2, 2, 128)
-    luts = read_report(exported / "exported")["figures"]["luts"]
+    luts = exported_luts(exported / "exported")
     runner = HostRunner.from_export(exported / "exported", luts=True)
     reference_ranges = calibrated_ranges(runner, samples)
     collector = RangeCollector()

@@ -17,7 +17,7 @@ from stages.quantize.analysis import analyse
 from stages.quantize.audit import audit
 from stages.quantize.stage import run_quantize
 from stages.quantize.weights import lut_input_encodings
-from stages.report import read_report
+from stages.results import ExportResult, StageReport
 from stages.runtimes.genie.bundle import run_bundle
 from stages.runtimes.genie.verify import run_verify, transformers_floor
 
@@ -235,7 +235,9 @@ def test_the_audit_names_a_weight_whose_block_scales_leave_4_bits(lpbq, value):
     scales.CopyFrom(numpy_helper.from_array(q.astype(np.uint8), scales.name))
     export_dir = work / "exported"
     analysis = analyse(onnx.load(str(export_dir / f"{g['name']}.onnx")))
-    lut_inputs = lut_input_encodings(read_report(export_dir)["figures"]["luts"], {"per_layer_inputs"})
+    lut_inputs = lut_input_encodings(
+        ExportResult(export_dir, StageReport.read(export_dir)).luts, {"per_layer_inputs"}
+    )
     cfg = load_config("tiny", {"precision": "w4a16-lpbq"})
     problems = audit(cfg, model, analysis, lut_inputs)["problems"]
     weight = scales.name.removesuffix("_block_scales_q")
