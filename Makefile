@@ -1,5 +1,5 @@
 # g4v69: Gemma 4 E2B -> QNN context binaries for Hexagon v69 (Snapdragon 8 Gen 1) -> Genie bundle.
-# `make help` lists the targets. Config values come from the preset (stages/presets/$(PRESET).toml);
+# `make help` lists the targets. Config values come from the preset (stages/core/presets/$(PRESET).toml);
 # a variable left empty here means "the preset's value".
 
 SHELL := bash
@@ -80,7 +80,7 @@ else
 endif
 
 opt = $(if $(strip $(2)),--$(1) '$(strip $(2))')
-# MODEL, or (with FROM and no MODEL) the model named after the FROM folder by stages.config below.
+# MODEL, or (with FROM and no MODEL) the model named after the FROM folder by stages.core.config below.
 CONFIG_ARGS = --preset '$(PRESET)' --workdir '$(WORKDIR)' \
   $(call opt,model,$(or $(MODEL),$(if $(FROM),$(call config_name,model)))) $(CONFIG_OPTS)
 CONFIG_OPTS = \
@@ -124,12 +124,12 @@ STAMP_DIR       = $(WD)/.g4v69
 # (stdlib-only module) because rule targets are expanded when make starts. G4V69_<FIELD> variables
 # count, as they do for g4v69 (make 4.3 does not give them to $(shell)).
 G4V69_FIELD_ENV := $(foreach v,$(filter-out G4V69_PROMPT,$(filter G4V69_%,$(.VARIABLES))),$(v)='$($(v))')
-CONFIG_NAMES    := $(shell $(G4V69_FIELD_ENV) $(PYTHON) -m stages.config --preset '$(PRESET)' \
+CONFIG_NAMES    := $(shell $(G4V69_FIELD_ENV) $(PYTHON) -m stages.core.config --preset '$(PRESET)' \
   $(call opt,model,$(MODEL)) $(CONFIG_OPTS) $(if $(FROM),--from '$(abspath $(FROM))'))
 config_name      = $(patsubst $(1)=%,%,$(filter $(1)=%,$(CONFIG_NAMES)))
 CHECKPOINT_NAME := $(call config_name,checkpoint)
-# The stage table (stages/pipeline.py), one word per stage: name:folder:upstream,...:image:per_checkpoint:stamped.
-STAGE_ROWS      := $(shell $(PYTHON) -m stages.pipeline rows)
+# The stage table (stages/core/pipeline.py), one word per stage: name:folder:upstream,...:image:per_checkpoint:stamped.
+STAGE_ROWS      := $(shell $(PYTHON) -m stages.core.pipeline rows)
 STAGES          := $(foreach r,$(STAGE_ROWS),$(firstword $(subst :, ,$(r))))
 stage_row        = $(subst :, ,$(filter $(1):%,$(STAGE_ROWS)))
 stage_field      = $(word $(2),$(call stage_row,$(1)))
@@ -156,7 +156,7 @@ verify_AFTER     = @echo "bundle: $(ABS_WORKDIR)/genie_bundle"
 unexport PROMPT
 export G4V69_PROMPT = $(value PROMPT)
 # Progress bars: a container has no terminal (docker run -i), so every stage is told whether the
-# host's stderr is one: bars on a terminal, a plain line per 30 s in a log (stages/progress.py).
+# host's stderr is one: bars on a terminal, a plain line per 30 s in a log (stages/core/progress.py).
 ifeq ($(origin G4V69_PROGRESS),undefined)
   G4V69_PROGRESS := $(if $(shell [ -t 2 ] && echo tty),bars,lines)
 endif
@@ -168,12 +168,12 @@ export G4V69_PROGRESS
 
 help: ## list the targets and variables
 	@echo "Stages (in order; each runs the ones before it that are not done):"
-	@$(PYTHON) -m stages.pipeline help
+	@$(PYTHON) -m stages.core.pipeline help
 	@echo "Targets:"
 	@grep -E '^[a-z][a-z0-9-]*:.*## ' $(MAKEFILE_LIST) | \
 	  awk -F':.*## ' '{ printf "  %-12s %s\n", $$1, $$2 }'
 	@echo
-	@echo "Variables (empty = the preset's value; see stages/presets/$(PRESET).toml):"
+	@echo "Variables (empty = the preset's value; see stages/core/presets/$(PRESET).toml):"
 	@echo "  PRESET=$(PRESET) MODEL MODEL_REVISION SOC PRECISION MAX_CONTEXT PREFILL_AR DECODE_AR"
 	@echo "  NUM_SHARDS COMPILER=local|aihub (aihub: QAI_HUB_API_TOKEN) QAIRT_VERSION PROMPT FROM=DIR (import a snapshot) RUNNER=docker|local WORKDIR=$(WORKDIR)"
 	@echo "  QUANT_ARGS (e.g. --compare-ple-policies) QUANT_IMAGE=quant|quant-rocm DOCKER_ARGS"
@@ -316,7 +316,7 @@ test-unit: $(VENV)/.installed ## run only the fast unit tests
 lint: $(VENV)/.installed ## ruff over the package and tests
 	'$(VENV)/bin/ruff' check stages tests docker
 docs: ## rewrite the generated pages docs/make.md and docs/benchmarks.md, then check every docs link
-	$(PYTHON) -m stages.docs
+	$(PYTHON) -m stages.tools.docs
 
 # Stage folders per checkpoint (checkpoints/) keep their contents; a folder the repository tracks (its
 # README.md) stays, emptied.
@@ -326,6 +326,6 @@ clean: ## remove stage outputs under WORKDIR (not checkpoints and their stamps, 
 	  [ -d "$$f" ] || continue; find "$$f" -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +; rmdir "$$f" 2>/dev/null || true; done
 	rm -f '$(WORKDIR)/.g4v69/aihub_jobs.json' $(foreach s,$(STAGES),$(if $(call per_checkpoint,$(s)),,'$(WORKDIR)/.g4v69/'$(s)-*.json))
 	rm -rf '$(WORKDIR)/.g4v69/genie-logs'  # verify's real-Genie logs (stages/runtimes/genie/verify.py GENIE_LOGS)
-	$(foreach s,$(STAGES),$(if $(call per_checkpoint,$(s)),$(PYTHON) -m stages.report clean '$(WORKDIR)' '$(WORKDIR)/$(call stage_field,$(s),2)';))
+	$(foreach s,$(STAGES),$(if $(call per_checkpoint,$(s)),$(PYTHON) -m stages.core.report clean '$(WORKDIR)' '$(WORKDIR)/$(call stage_field,$(s),2)';))
 
 FORCE:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Before the long work: does this runner have the disk and memory the bundle job needs? The needs
-# come from `python3 -m stages.needs` (disk: the plan's model of what a full run writes to WORKDIR;
+# come from `python3 -m stages.planning.needs` (disk: the plan's model of what a full run writes to WORKDIR;
 # memory: the largest peak RSS a bench run of the same model geometry measured), with the same
 # config options as the job (G4V69_<FIELD> variables, PRESET). Exits 1 naming what is short and by
 # how much, so a runner without room fails in seconds instead of hours in.
@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 workdir="${WORKDIR:-.}"
 mkdir -p "$workdir"
-read -r disk_need ram_need ram_source < <(python3 -m stages.needs --preset "${PRESET:-default}")
+read -r disk_need ram_need ram_source < <(python3 -m stages.planning.needs --preset "${PRESET:-default}")
 disk_free=$("${DF:-df}" -P -B1 "$workdir" | awk 'NR == 2 {print $4}')
 # Memory: RAM and swap together (the workflow adds swap when RAM alone is short).
 ram_have=$(awk '/^(MemTotal|SwapTotal):/ {kb += $2} END {printf "%.0f", kb * 1024}' "${MEMINFO:-/proc/meminfo}")

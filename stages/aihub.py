@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.config import PipelineConfig
-from stages.graphs import Binary
-from stages.report import sha256_file, write_json_atomic
+from stages.core.config import PipelineConfig
+from stages.core.report import sha256_file, write_json_atomic
+from stages.model.graphs import Binary
 
 MAX_ATTEMPTS = 3  # submissions per job before a failure stops the stage
 RATE_LIMIT_RETRIES = 6
@@ -259,7 +259,7 @@ class _JobRunner:
         return job
 
     def run(self, specs: list[_JobSpec], title: str) -> None:
-        from stages.progress import tqdm
+        from stages.core.progress import tqdm
 
         api = self.api
         open_jobs: dict[str, Any] = {}

@@ -16,23 +16,23 @@ from pathlib import Path
 import click
 
 from stages import __version__
-from stages.command import Context, UserError
-from stages.config import (
+from stages.core.command import Context, UserError
+from stages.core.config import (
     DEFAULT_PRESET,
     FIELD_NAMES,
     PipelineConfig,
     field_doc,
     load_config,
 )
-from stages.errors import UserFixable
-from stages.geometry import load_geometry, resolve_geometry
-from stages.pipeline import PIPELINE, STAGE_NAMES, output_dir, stage
-from stages.quiet import quiet_libraries
-from stages.report import (
+from stages.core.errors import UserFixable
+from stages.core.pipeline import PIPELINE, STAGE_NAMES, output_dir, stage
+from stages.core.quiet import quiet_libraries
+from stages.core.report import (
     read_report,
     write_json_atomic,
 )
-from stages.results import StageReport
+from stages.model.geometry import load_geometry, resolve_geometry
+from stages.planning.results import StageReport
 from stages.runtimes import get_runtime
 
 
@@ -111,7 +111,7 @@ def _config_options(func):
     "--preset",
     default=DEFAULT_PRESET,
     show_default=True,
-    help="preset name in stages/presets/ or a path to a TOML file",
+    help="preset name in stages/core/presets/ or a path to a TOML file",
 )
 @click.option(
     "--workdir",
@@ -157,10 +157,10 @@ def generate(
     as_json: bool,
 ) -> None:
     """Run a prompt through the exported graphs on the host (onnxruntime), as the phone would."""
-    from stages.chat import ChatTokenizer
-    from stages.checkpoint import stop_token_ids
-    from stages.results import ExportResult, require_result
-    from stages.runner import HostRunner, Sampling
+    from stages.model.chat import ChatTokenizer
+    from stages.model.checkpoint import stop_token_ids
+    from stages.planning.results import ExportResult, require_result
+    from stages.quant.runner import HostRunner, Sampling
 
     export_dir = require_result(obj.workdir, "export", ExportResult, UserError).folder
     runner = HostRunner.from_export(export_dir, luts=luts)
@@ -222,9 +222,9 @@ def bundle(obj: Context, check_manifest_path: Path | None) -> None:
 
 def _echo_bundle_limits(obj: Context) -> None:
     """Which of the SoC table's memory limits the bundle just built meets (docs/facts.md §2)."""
-    from stages.fitting import built_limits, make_plan
-    from stages.plan import render_limits
-    from stages.results import CompileResult, ExportResult, require_result
+    from stages.planning.fitting import built_limits, make_plan
+    from stages.planning.plan import render_limits
+    from stages.planning.results import CompileResult, ExportResult, require_result
 
     cfg = obj.config
     compiled = require_result(obj.workdir, "compile", CompileResult, UserError)
@@ -319,8 +319,8 @@ def verify(
 @click.pass_obj
 def bench_report(obj: Context, output: Path, command_line: str) -> None:
     """Collect the stage reports of a bench run under WORKDIR into OUTPUT/<date>-<machine>.{json,md}."""
-    from stages.bench import collect, write_results
-    from stages.fitting import make_plan
+    from stages.planning.fitting import make_plan
+    from stages.tools.bench import collect, write_results
 
     geo = resolve_geometry(obj.config.model, obj.checkpoint_dir())
     plan = {"config": obj.config.to_dict(), **make_plan(geo, obj.config).to_dict()} if geo else None
@@ -419,7 +419,7 @@ def _plan_geometry(obj: Context, checkpoint_config: Path | None):
 def _expected_time(cfg, total_params: int) -> str:
     import os
 
-    from stages.needs import expected_stages, render_expected
+    from stages.planning.needs import expected_stages, render_expected
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return "\n".join(render_expected(expected_stages(cfg, total_params, cpus), cfg.model))
@@ -431,7 +431,7 @@ def _expected_time(cfg, total_params: int) -> str:
 def expected_time(obj: Context, unless_bundled: bool) -> None:
     """How long each stage of this config should take on this machine, and its peak memory (from the
     closest committed bench run, scaled to this machine's cores); `make bundle` prints it first."""
-    from stages.fitting import make_plan
+    from stages.planning.fitting import make_plan
 
     if unless_bundled and read_report(output_dir(obj.workdir, "bundle")) is not None:
         return
@@ -455,8 +455,8 @@ def expected_time(obj: Context, unless_bundled: bool) -> None:
 def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Path | None) -> None:
     """Parameters, bytes per part and graph, LUTs, KV cache, device memory against the SoC's limits,
     the memory and compute rooflines, the layouts side by side and the layout rule."""
-    from stages.fitting import LAYOUT_RULE, LayoutRuleError, make_layouts, make_plan, rule_layout
-    from stages.plan import render_plan
+    from stages.planning.fitting import LAYOUT_RULE, LayoutRuleError, make_layouts, make_plan, rule_layout
+    from stages.planning.plan import render_plan
 
     cfg = obj.config
     geo = _plan_geometry(obj, checkpoint_config)
@@ -487,7 +487,7 @@ def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Pa
 @click.pass_obj
 def doctor(obj: Context, as_json: bool) -> None:
     """Check this environment: Python packages per stage, Docker, disk, tokens, SDK, adb."""
-    from stages.doctor import render_checks, run_checks
+    from stages.tools.doctor import render_checks, run_checks
 
     checks = run_checks(obj.config, obj.workdir)
     if as_json:
@@ -502,8 +502,8 @@ def wikitext_stand_in(obj: Context) -> None:
     """Write WORKDIR/datasets/Salesforce/wikitext: the built-in corpus (calibration part as train,
     held-out part as validation and test) in WikiText-2's files as the Hub serves them, read in place of
     the Hub. Not WikiText: what `make bench` calibrates on where the Hub cannot be reached."""
-    from stages.calibration import DATASETS_FOLDER, WIKITEXT, write_wikitext_copy
-    from stages.tiny_model import CORPUS_DIR
+    from stages.model.tiny_model import CORPUS_DIR
+    from stages.quant.calibration import DATASETS_FOLDER, WIKITEXT, write_wikitext_copy
 
     calibration = (CORPUS_DIR / "calibration.txt").read_text(encoding="utf-8")
     heldout = (CORPUS_DIR / "heldout.txt").read_text(encoding="utf-8")
@@ -527,8 +527,8 @@ def bench_calibration(obj: Context, output: Path, command_line: str) -> None:
     scratch folders under WORKDIR."""
     import tempfile
 
-    from stages.bench import write_bench_files
-    from stages.calibration_bench import e2b_costs, newest_e2b_passes, recipe_markdown, tiny_recipe
+    from stages.tools.bench import write_bench_files
+    from stages.tools.calibration_bench import e2b_costs, newest_e2b_passes, recipe_markdown, tiny_recipe
 
     obj.workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".bench-calibration-", dir=obj.workdir) as tmp:
@@ -551,7 +551,7 @@ def bench_quality(obj: Context, output: Path, command_line: str) -> None:
     memory) into OUTPUT/<date>-weight-schemes-<machine>.{json,md}; scratch folders under WORKDIR."""
     import tempfile
 
-    from stages.bench import (
+    from stages.tools.bench import (
         QAT_E2B_SCHEMES,
         e2b_qat_markdown,
         e2b_rounding_costs,

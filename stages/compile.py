@@ -13,7 +13,7 @@ Three steps, whichever backend builds the binaries:
    graphs linked into one binary without weight sharing, a binary whose estimated allocation is over
    the SoC's per-context limit (the SoC table's context_allocation), and a tensor named by several
    graphs (crossing parts, or shared by prefill and decode) with different encodings, which Genie
-   refuses at load (`stages.encoding.shared_tensor_mismatches`).
+   refuses at load (`stages.model.encoding.shared_tensor_mismatches`).
 3. a backend: `local` runs onnxruntime-qnn's offline HTP preparation for the SoC's soc_model and
    htp_arch (CPU fallback off, so a node the HTP cannot take fails the compile and is named), one
    process per binary, as many at once as memory allows; `aihub` (stages/aihub.py) submits compile
@@ -40,14 +40,11 @@ from typing import Any
 import click
 
 from stages.aihub import AihubError, compile_aihub
-from stages.command import Context
-from stages.config import PipelineConfig
-from stages.contract import CACHE_PREFIX
-from stages.encoding import IoTensor, QdqGraph, prepare_io, shared_tensor_mismatches
-from stages.errors import UserFixable
-from stages.graphs import Binary, qdq_file_name
-from stages.quiet import call_without_native_noise
-from stages.report import (
+from stages.core.command import Context
+from stages.core.config import PipelineConfig
+from stages.core.errors import UserFixable
+from stages.core.quiet import call_without_native_noise
+from stages.core.report import (
     REPORT_NAME,
     StageJob,
     proc_field_bytes,
@@ -55,8 +52,11 @@ from stages.report import (
     read_report,
     sha256_file,
 )
-from stages.results import CompileResult, QuantizeResult, StageReport, require_result
-from stages.soc import Soc
+from stages.core.soc import Soc
+from stages.model.contract import CACHE_PREFIX
+from stages.model.encoding import IoTensor, QdqGraph, prepare_io, shared_tensor_mismatches
+from stages.model.graphs import Binary, qdq_file_name
+from stages.planning.results import CompileResult, QuantizeResult, StageReport, require_result
 
 QUANTIZED_TYPES = {"uint8", "int8", "uint16", "int16"}
 # Above this an ONNX file must keep its weights as external data (protobuf's 2 GB limit). Graphs below
@@ -465,7 +465,7 @@ def run_compile(
     cfg: PipelineConfig, workdir: Path, jobs: int | None = None, aihub_module: Any = None
 ) -> dict[str, Any]:
     """The whole stage; returns its report. Bad input raises CompileError and leaves nothing."""
-    from stages.progress import tqdm
+    from stages.core.progress import tqdm
 
     soc = cfg.soc_info
     quantized, sources = _load_quantized(workdir)

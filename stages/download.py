@@ -23,12 +23,12 @@ from typing import Any
 
 import click
 
-from stages.builtin_models import BUILTIN_TEXT_CONFIGS, DEFAULT_MAX_SHARD_BYTES, write_random_checkpoint
-from stages.checkpoint import CheckpointSummary, RemoteFile, validate_checkpoint
-from stages.command import Context
-from stages.config import is_repo_id
-from stages.errors import UserFixable
-from stages.report import redact, stage_output
+from stages.core.command import Context
+from stages.core.config import is_repo_id
+from stages.core.errors import UserFixable
+from stages.core.report import redact, stage_output
+from stages.model.builtin_models import BUILTIN_TEXT_CONFIGS, DEFAULT_MAX_SHARD_BYTES, write_random_checkpoint
+from stages.model.checkpoint import CheckpointSummary, RemoteFile, validate_checkpoint
 
 # The files of a snapshot this pipeline uses (huggingface_hub allow_patterns; fnmatch rules).
 ALLOW_PATTERNS = (
@@ -55,7 +55,7 @@ def write_builtin_checkpoint(
 ) -> None:
     """Write a built-in model (`tiny` or `e2b-random`) into `dest`.
 
-    `tiny` is a few MB in one model.safetensors, with the weights trained by `stages.tiny_model`
+    `tiny` is a few MB in one model.safetensors, with the weights trained by `stages.model.tiny_model`
     (the committed fixture) so that its text and its quantization figures mean something.
     `e2b-random` has the full E2B geometry (about 9 GB
     of bf16 in ~2 GB shards; the 4.7 GB per-layer embedding table alone in its file). It carries the
@@ -66,7 +66,7 @@ def write_builtin_checkpoint(
         raise DownloadError(f"no built-in model {name!r}; built-in models: {', '.join(BUILTIN_TEXT_CONFIGS)}")
     trained = None
     if name == "tiny":
-        from stages.tiny_model import load_fixture
+        from stages.model.tiny_model import load_fixture
 
         trained = load_fixture()
     write_random_checkpoint(BUILTIN_TEXT_CONFIGS[name], Path(dest), seed, max_shard_bytes, trained)

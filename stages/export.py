@@ -1,9 +1,9 @@
 """The export stage: a downloaded checkpoint -> static-shape ONNX part graphs + host LUTs in exported/.
 
-For each part (layers balanced by weight bytes, `stages.fitting.part_layers`, the same split the plan
+For each part (layers balanced by weight bytes, `stages.planning.fitting.part_layers`, the same split the plan
 prices) the part's weights are read from the memory-mapped safetensors as float32, every graph kind
 (prefill AR-N, decode AR-1, and the calibration-only twin of the prefill kind at `calibration_ar`,
-`stages.graphs.calibration_kind`) is exported with torch.onnx (dynamo, opset 23: fused RMSNormalization
+`stages.model.graphs.calibration_kind`) is exported with torch.onnx (dynamo, opset 23: fused RMSNormalization
 and Gelu), checked against the torch module with onnxruntime, and the weights are dropped before the
 next part: at most one part's weights are ever held in float32.
 
@@ -25,16 +25,16 @@ from typing import Any
 import click
 import numpy as np
 
-from stages.checkpoint import Checkpoint
-from stages.command import Context
-from stages.config import PipelineConfig
-from stages.contract import ATTENTION_MASK_MIN, GraphSpec, LutSpec
-from stages.encoding import pack_nibbles
-from stages.errors import UserFixable
-from stages.geometry import Geometry
-from stages.job import Job
-from stages.report import REPORT_NAME, StageJob, read_report
-from stages.results import ExportResult, StageReport
+from stages.core.command import Context
+from stages.core.config import PipelineConfig
+from stages.core.errors import UserFixable
+from stages.core.report import REPORT_NAME, StageJob, read_report
+from stages.model.checkpoint import Checkpoint
+from stages.model.contract import ATTENTION_MASK_MIN, GraphSpec, LutSpec
+from stages.model.encoding import pack_nibbles
+from stages.model.geometry import Geometry
+from stages.planning.job import Job
+from stages.planning.results import ExportResult, StageReport
 from stages.runtimes import get_runtime
 
 OPSET = 23
@@ -73,7 +73,7 @@ def export_graph(geo: Geometry, spec: GraphSpec, weights: dict, path: Path) -> d
     import onnxruntime as ort
     import torch
 
-    from stages.decoder import DecoderPart
+    from stages.model.decoder import DecoderPart
 
     module = DecoderPart(geo, spec, weights).eval()
     params = sum(p.numel() for p in module.parameters())
@@ -154,7 +154,7 @@ def _clipped_range(sample: np.ndarray, lo: float, hi: float, bits: int) -> tuple
 
 def write_lut(ckpt: Checkpoint, name: str, multiplier: float, bits: int, path: Path) -> LutSpec:
     """Quantize a checkpoint table (times `multiplier`) to one global ufixed encoding, streaming."""
-    from stages.progress import tqdm
+    from stages.core.progress import tqdm
 
     rows, size = next(t.shape for t in ckpt.geometry.all_tensors() if t.name == name)
     blocks = range(0, rows, LUT_BLOCK_ROWS)
@@ -192,9 +192,9 @@ def _relative(path: Path, root: Path) -> str:
 def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
     """The whole stage; returns the report. Raises ExportError (or CheckpointError) on bad input,
     leaving no output folder behind."""
-    from stages.fitting import make_plan, over_context_limit
-    from stages.graphs import PartitionError
-    from stages.progress import tqdm
+    from stages.core.progress import tqdm
+    from stages.model.graphs import PartitionError
+    from stages.planning.fitting import make_plan, over_context_limit
 
     if read_report(checkpoint_dir) is None:
         raise ExportError(
@@ -223,7 +223,7 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
         raise ExportError(f"{checkpoint_dir}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
 
     inputs = [checkpoint_dir / "config.json", *weight_files]
-    from stages.decoder import matmul_layout, part_weight_names
+    from stages.model.decoder import matmul_layout, part_weight_names
 
     # Each graph holds its part's weights in float32 (E2B: 18.2 GB of graphs + 3.2 GB of LUTs).
     plan = make_plan(geo, cfg)

@@ -116,7 +116,7 @@ DOUBLES = REPO / "tests" / "doubles"
 def quantized_tiny(tmp_path_factory) -> Path:
     """A WORKDIR with the trained tiny model downloaded, exported and quantized for SM8450.
     Tests copy it (`copy_workdir`) before writing into it."""
-    from stages.config import load_config
+    from stages.core.config import load_config
     from stages.download import run_download
     from stages.export import run_export
     from stages.quantize import run_quantize
@@ -139,7 +139,7 @@ def copy_workdir(src: Path, dest: Path) -> Path:
 def bundled(quantized_tiny, tmp_path_factory) -> Path:
     """A copy of `quantized_tiny` compiled and bundled (the tiny preset): genie_bundle/ in it."""
     from stages.compile import run_compile
-    from stages.config import load_config
+    from stages.core.config import load_config
     from stages.runtimes.genie.bundle import run_bundle
 
     work = copy_workdir(quantized_tiny, tmp_path_factory.mktemp("bundled") / "w")
@@ -153,7 +153,7 @@ def rewrite_report(work: Path, folder: Path, report: dict) -> None:
     """Write folder/report.json as its stage would have (sealed), and record the new file in every
     later stage's report under `work` that read it, and so on down: a work folder whose stages all
     agree with the edited report, for tests of what a stage does with such a report."""
-    from stages.report import REPORT_NAME, STAGE_DIRS, read_report, sha256_file, write_report
+    from stages.core.report import REPORT_NAME, STAGE_DIRS, read_report, sha256_file, write_report
 
     write_report(folder, report)
     path = (folder / REPORT_NAME).resolve()
@@ -206,7 +206,7 @@ def fake_hub(tmp_path, monkeypatch):
 
 # What AI Hub answers for the SoC table's devices (names and chipsets as the table has them).
 def _soc_devices() -> list[dict]:
-    from stages.soc import SOCS
+    from stages.core.soc import SOCS
 
     return [
         {"name": s.aihub_device, "attributes": [s.aihub_chipset], "soc": s.name, "arch": s.htp_arch}

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stages.builtin_models import write_tokenizer_files
-from stages.geometry import TINY_TEXT_CONFIG, geometry_from_config
+from stages.model.builtin_models import write_tokenizer_files
+from stages.model.geometry import TINY_TEXT_CONFIG, geometry_from_config
 
 CONDITIONAL = "Gemma4ForConditionalGeneration"
 CAUSAL = "Gemma4ForCausalLM"
@@ -47,7 +47,7 @@ def _model(layout: Layout) -> Any:
     import torch
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
-    from stages.tiny_model import load_fixture
+    from stages.model.tiny_model import load_fixture
 
     text = Gemma4TextConfig(**{k: v for k, v in TINY_TEXT_CONFIG.items() if k != "model_type"})
     if layout.model_class == CONDITIONAL:

@@ -8,14 +8,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from stages.contract import (
+from stages.core.errors import UserFixable
+from stages.model.contract import (
     CACHE_PREFIX,
     HIDDEN_PREFIX,
     KVSHARE_PREFIX,
     PER_LAYER_EMBEDS,
     PER_LAYER_INPUTS,
 )
-from stages.errors import UserFixable
 
 # Ops that move or regroup values without changing them: a tensor and its image share an encoding.
 ENCODING_PRESERVING = {"Concat", "Slice", "Reshape", "Transpose", "Identity", "Squeeze", "Unsqueeze"}

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from stages.config import PipelineConfig
-from stages.encoding import ONNX_TYPE_NAMES, Encoding, QdqGraph
-from stages.precision import LPBQ_BLOCK_SCALE_MAX
+from stages.core.config import PipelineConfig
+from stages.core.precision import LPBQ_BLOCK_SCALE_MAX
+from stages.model.encoding import ONNX_TYPE_NAMES, Encoding, QdqGraph
 from stages.quantize.analysis import (
     GraphAnalysis,
 )

@@ -11,14 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from stages.config import PipelineConfig
-from stages.contract import (
+from stages.core.config import PipelineConfig
+from stages.model.contract import (
     PER_LAYER_EMBEDS,
     GraphSpec,
     LutSpec,
     constructed_input_ranges,
 )
-from stages.graphs import copy_graph
+from stages.model.graphs import copy_graph
 from stages.quantize.analysis import (
     BOUNDARY_TENSOR,
     CACHE_TENSOR,
@@ -54,7 +54,7 @@ class _FeedsReader:
     """An onnxruntime CalibrationDataReader over a stream of feeds."""
 
     def __init__(self, feeds: Iterator[dict[str, np.ndarray]], expected: int, desc: str = "calibrate"):
-        from stages.progress import tqdm
+        from stages.core.progress import tqdm
 
         self.feeds = feeds
         self.expected = expected  # onnxruntime's strided calibrators ask for len()
@@ -96,7 +96,7 @@ class CalibratedRanges:
 def calibrated_ranges(runner, samples: list[list[int]]) -> CalibratedRanges:
     """The KV and cross-part ranges from a prefill pass of its own (the stage takes them from its
     calibration pass instead: RangeCollector)."""
-    from stages.progress import tqdm
+    from stages.core.progress import tqdm
 
     collector = RangeCollector()
     runner.observer = collector.observe
@@ -298,7 +298,7 @@ def graph_quant_config(
     call): the reference that the stage's shared pass (calibrate_kind) must equal, graph for graph."""
     import onnx
 
-    from stages.calibration import calls, graph_feeds
+    from stages.quant.calibration import calls, graph_feeds
 
     model = onnx.load(str(src), load_external_data=False)
     analysis = analyse(model)
@@ -489,13 +489,13 @@ def calibrate_kind(
 ) -> dict[str, tuple[Path, int, int | None]]:
     """Calibrate every graph of one kind in one pass of the float chain; per graph name: its ranges
     file (onnxruntime's calibration cache), how many calls it saw and its stride. The inputs each graph
-    sees are those of `stages.calibration.graph_feeds`: prefill graphs the samples in AR chunks, decode
+    sees are those of `stages.quant.calibration.graph_feeds`: prefill graphs the samples in AR chunks, decode
     graphs real decode steps after a prefill of each sample's beginning (whose caches are kept; the
     prefill graphs are released before the decode graphs load, as a full copy of the weights each)."""
     import onnx
 
-    from stages.calibration import calls, decode_split
-    from stages.progress import tqdm
+    from stages.core.progress import tqdm
+    from stages.quant.calibration import calls, decode_split
 
     expected = calls(samples, role, runner.prefill_ar, decode_steps)
     states: list[tuple[Any, list[int]]] = []
@@ -561,7 +561,7 @@ def calibrate_kind(
 
 
 # ---- calibration on a twin at a larger AR ----
-# The twin (stages.graphs.calibration_kind) is the same module exported at another AR: torch emits the
+# The twin (stages.model.graphs.calibration_kind) is the same module exported at another AR: torch emits the
 # same nodes in the same order, only some Reshape outputs are numbered differently (`view_8` here,
 # `_unsafe_view` there). Each call's tensors hold the values the shipped graph computes for the same
 # tokens, AR rows at once, so MinMax ranges agree up to float rounding (and the samples are cut to whole

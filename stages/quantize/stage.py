@@ -12,11 +12,14 @@ from typing import Any
 
 import click
 
-from stages.command import Context
-from stages.config import PipelineConfig
-from stages.gptq import collect_hessians
-from stages.graphs import calibration_kind, copy_graph, qdq_file_name
-from stages.quality import EVAL_SAMPLES, SQNR_TOKENS, compare_chains, output_sqnr, write_quality_html
+from stages.core.command import Context
+from stages.core.config import PipelineConfig
+from stages.core.report import REPORT_NAME, StageJob, read_report
+from stages.model.graphs import calibration_kind, copy_graph, qdq_file_name
+from stages.planning.results import ExportResult, QuantizeResult, StageReport, require_result
+from stages.quant.gptq import collect_hessians
+from stages.quant.quality import EVAL_SAMPLES, SQNR_TOKENS, compare_chains, output_sqnr, write_quality_html
+from stages.quant.sensitivity import sensitivity_samples
 from stages.quantize.analysis import (
     QuantizeError,
     analyse,
@@ -40,9 +43,6 @@ from stages.quantize.weights import (
     read_lut_inputs_quantized,
     rewrite_weights,
 )
-from stages.report import REPORT_NAME, StageJob, read_report
-from stages.results import ExportResult, QuantizeResult, StageReport, require_result
-from stages.sensitivity import sensitivity_samples
 
 
 # ---- the stage ----
@@ -71,8 +71,8 @@ def quantize_graphs(
     precision's scheme and audit each graph. The prefill pass also fixes the KV and cross-part ranges
     that every graph shares, so prefill graphs are quantized before the decode pass runs."""
 
-    from stages.progress import tqdm
-    from stages.runner import HostRunner
+    from stages.core.progress import tqdm
+    from stages.quant.runner import HostRunner
 
     runner = HostRunner.from_export(export_dir, luts=True)
     # The prefill kind calibrates on its twin when the export made one (calibration_ar).
@@ -295,9 +295,9 @@ def heldout_samples(
 ) -> tuple[list[list[int]], int]:
     """The held-out token samples quality is measured on (`count` of them), and how many of each run
     as decode steps."""
-    from stages.calibration import load_texts, token_samples
-    from stages.chat import ChatTokenizer
-    from stages.checkpoint import Checkpoint
+    from stages.model.chat import ChatTokenizer
+    from stages.model.checkpoint import Checkpoint
+    from stages.quant.calibration import load_texts, token_samples
 
     length = sample_length(cfg)
     tok = ChatTokenizer(checkpoint_dir)
@@ -309,7 +309,7 @@ def heldout_samples(
 
 
 def _quality(cfg, export_dir: Path, q: QuantizedGraphs, eval_samples, decode_steps) -> dict[str, Any]:
-    from stages.runner import HostRunner
+    from stages.quant.runner import HostRunner
 
     fp = HostRunner.from_export(export_dir, luts=True)
     quantized = HostRunner.from_export(
@@ -392,8 +392,8 @@ def run_quantize(
     import shutil
     import tempfile
 
-    from stages.calibration import load_texts, text_source, token_samples
-    from stages.chat import ChatTokenizer
+    from stages.model.chat import ChatTokenizer
+    from stages.quant.calibration import load_texts, text_source, token_samples
 
     calibration_providers = _providers(provider)
     exported = require_result(workdir, "export", ExportResult, QuantizeError)
@@ -406,7 +406,7 @@ def run_quantize(
         )
     job = StageJob("quantize", cfg, workdir)
     job.check([export_dir, checkpoint_dir])
-    from stages.checkpoint import Checkpoint
+    from stages.model.checkpoint import Checkpoint
 
     tok = ChatTokenizer(checkpoint_dir)
     bos = Checkpoint(checkpoint_dir).geometry.config.get("bos_token_id", 2)
@@ -442,7 +442,7 @@ def run_quantize(
         with main.clock.run("evaluation", tokens_of(eval_samples), len(eval_samples), "sample"):
             quality = {cfg.ple_policy: _quality(cfg, export_dir, main, eval_samples, decode_steps)}
         # The absolute floor (the preset's, for this precision): below it nothing is kept.
-        from stages.quality import below_floor
+        from stages.quant.quality import below_floor
 
         below = below_floor(cfg, quality[cfg.ple_policy])
         if below:
@@ -460,7 +460,7 @@ def run_quantize(
         # move nothing but which part a layer sits in), so the report ranks the weight schemes.
         by_precision = {cfg.precision: quality[cfg.ple_policy]}
         if compare_precisions:
-            from stages.precision import usable_precisions
+            from stages.core.precision import usable_precisions
 
             for name in (p.name for p in usable_precisions(cfg.soc_info) if p.name != cfg.precision):
                 other_cfg = dataclasses.replace(cfg, precision=name, int8_percent="auto")

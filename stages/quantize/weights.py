@@ -1,4 +1,4 @@
-"""Weight schemes (stages/precision.py) written into the quantized graphs: int4 per channel, LPBQ, int8
+"""Weight schemes (stages/core/precision.py) written into the quantized graphs: int4 per channel, LPBQ, int8
 kept by measured sensitivity; rounded by GPTQ or to nearest (`WeightRounder`)."""
 
 from __future__ import annotations
@@ -11,22 +11,22 @@ from typing import Any
 
 import numpy as np
 
-from stages.config import PipelineConfig
-from stages.contract import (
+from stages.core.config import PipelineConfig
+from stages.core.precision import DECODER_ROLE, LM_HEAD_ROLE, LPBQ_BLOCK_SCALE_MAX, PLE_ROLE
+from stages.model.contract import (
     LUT_INPUTS,
     LutSpec,
 )
-from stages.encoding import Encoding
-from stages.gptq import Hessian, best_scales, gptq
-from stages.grid import Grid, carried_grid, find_grid
-from stages.precision import DECODER_ROLE, LM_HEAD_ROLE, LPBQ_BLOCK_SCALE_MAX, PLE_ROLE
+from stages.model.encoding import Encoding
+from stages.quant.gptq import Hessian, best_scales, gptq
+from stages.quant.grid import Grid, carried_grid, find_grid
 from stages.quantize.analysis import (
     PLE_WEIGHT_SUFFIXES,
     QuantizeError,
     analyse,
 )
 
-# ---- weight schemes (stages/precision.py) ----
+# ---- weight schemes (stages/core/precision.py) ----
 # onnxruntime's quantizer writes every MatMul weight as int8 per output channel; a precision with other
 # decoder weights rewrites those DequantizeLinear nodes from the float weights afterwards. The lm_head
 # and the PLE paths keep what the precision and the PLE policy give them.
@@ -34,7 +34,7 @@ LM_HEAD_WEIGHT = "lm_head.weight"
 
 
 def weight_role(weight: str) -> str:
-    """The role (stages.precision's *_ROLE) whose storage rule a MatMul weight follows."""
+    """The role (stages.core.precision's *_ROLE) whose storage rule a MatMul weight follows."""
     if weight.endswith(LM_HEAD_WEIGHT):
         return LM_HEAD_ROLE
     if weight.endswith(PLE_WEIGHT_SUFFIXES):
@@ -135,7 +135,7 @@ def int4_channel(
     GPTQ picks the integers under those scales. (Weighting the clipping search by the Hessian's
     diagonal measured no better on the tiny model: held-out KL 0.042 vs 0.041.) With `search` too,
     each column keeps, of the ratios SCALE_SEARCH_STEPS around that one, the one whose GPTQ rounding
-    leaves the least output error (`stages.gptq.best_scales`; the weight-error ratio wins ties).
+    leaves the least output error (`stages.quant.gptq.best_scales`; the weight-error ratio wins ties).
 
     Columns are searched independently, so blocks of columns go to threads (numpy releases the GIL):
     the same result on any number of threads, 2.5x faster on 2 cores at E2B's 1536 x 6144."""
@@ -356,7 +356,7 @@ class WeightRounder:
     def round_all(self, graphs: list[Path], keep_hessians_in: Path | None = None) -> None:
         """Round every 4-bit weight of the graphs, then drop the Hessians (E2B's take ~4 GB), or, with
         `keep_hessians_in`, move them to files there, mapped back on use (for `search_scales`)."""
-        from stages.progress import tqdm
+        from stages.core.progress import tqdm
 
         names = {src: _4bit_weights(self.cfg, src) for src in graphs}
         with tqdm(total=sum(map(len, names.values())), desc="round 4-bit weights", unit="weight") as bar:
@@ -374,7 +374,7 @@ class WeightRounder:
         output error (`int4_channel(search=True)`); after `choose_int8`, so a mixed precision
         searches only the weights it leaves at 4 bits. Its measured cost stays that of the first
         rounding (what the choice ranked). Drops the Hessians when done."""
-        from stages.progress import tqdm
+        from stages.core.progress import tqdm
 
         t0 = time.perf_counter()
         names = {
@@ -401,9 +401,9 @@ class WeightRounder:
         self.search_s = time.perf_counter() - t0
 
     def measure(self, runner, samples: list[list[int]], scratch: Path) -> None:
-        """Each decoder weight's measured cost at 4 bits (`stages.sensitivity`), on the runner's
+        """Each decoder weight's measured cost at 4 bits (`stages.quant.sensitivity`), on the runner's
         prefill graphs: what the mixed precision ranks by."""
-        from stages.sensitivity import measure
+        from stages.quant.sensitivity import measure
 
         decoder = {n: r.dequantized for n, r in self.rounded.items() if weight_role(n) == DECODER_ROLE}
         for name, kl in measure(runner, decoder, samples, scratch).items():
@@ -412,7 +412,7 @@ class WeightRounder:
     def round_weight(self, name: str, w: np.ndarray, search: bool = False) -> RoundedWeight:
         """One (in, out) weight rounded to its 4-bit scheme (per channel with `search`: its scales
         searched under GPTQ's output error), with the output error of 4 and 8 bits."""
-        from stages.gptq import output_errors
+        from stages.quant.gptq import output_errors
 
         scheme, hessian = expected_scheme(self.cfg, name), self.hessians.get(name)
         kept = self._keep_grid(name, w, scheme) if not search else None

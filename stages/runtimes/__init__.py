@@ -4,7 +4,7 @@ that bundle on the host the way it will run it (the verify stage), and puts it o
 it (`make push`, `make run`).
 
 Genie (`stages/runtimes/genie/`) is the one there is. A second runtime is a package beside it whose
-`RUNTIME` implements `Runtime`, and a row in the runtime table (`stages.pipeline.RUNTIMES`); the
+`RUNTIME` implements `Runtime`, and a row in the runtime table (`stages.core.pipeline.RUNTIMES`); the
 config field `runtime` picks one, and the CLI reaches a runtime only through `get_runtime`.
 """
 
@@ -14,12 +14,12 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from stages.errors import UserFixable
-from stages.pipeline import RUNTIMES
+from stages.core.errors import UserFixable
+from stages.core.pipeline import RUNTIMES
 
 if TYPE_CHECKING:
-    from stages.config import PipelineConfig
-    from stages.geometry import Geometry
+    from stages.core.config import PipelineConfig
+    from stages.model.geometry import Geometry
 
 
 class RuntimeFailure(UserFixable, ValueError):

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from stages.chat import join_adjacent_string_literals, render_chat
 from stages.cli import main
 from stages.compile import run_compile
-from stages.config import load_config
+from stages.core.config import load_config
+from stages.core.report import IntegrityError
+from stages.model.chat import join_adjacent_string_literals, render_chat
 from stages.quantize import run_quantize
-from stages.report import IntegrityError
 from stages.runtimes.genie.bundle import (
     BundleError,
     consistency_errors,
@@ -152,7 +152,7 @@ def test_inconsistent_configs_are_refused(sm8450, tmp_path):
 
 
 def _geometry(work: Path):
-    from stages.checkpoint import Checkpoint
+    from stages.model.checkpoint import Checkpoint
 
     return Checkpoint(work / "checkpoints" / "tiny").geometry
 

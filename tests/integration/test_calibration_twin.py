@@ -14,13 +14,13 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from stages.config import load_config
+from stages.core.config import load_config
 from stages.download import run_download
 from stages.export import run_export
+from stages.quant.runner import HostRunner
 from stages.quantize.analysis import QuantizeError
 from stages.quantize.calibrate import twin_tensor_names
 from stages.quantize.stage import run_quantize
-from stages.runner import HostRunner
 
 pytestmark = pytest.mark.slow
 

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 from hf_checkpoints import CAUSAL, CONDITIONAL, Layout, load_with_transformers, save_with_transformers
 
-from stages.checkpoint import CheckpointError, stop_token_ids, validate_checkpoint
-from stages.config import load_config
+from stages.core.config import load_config
 from stages.download import run_download
 from stages.export import run_export
-from stages.geometry import TINY_TEXT_CONFIG, geometry_from_config
-from stages.runner import HostRunner
+from stages.model.checkpoint import CheckpointError, stop_token_ids, validate_checkpoint
+from stages.model.geometry import TINY_TEXT_CONFIG, geometry_from_config
+from stages.quant.runner import HostRunner
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def _logits(model, ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("layout", EVERY_LAYOUT, ids=_ids)
 def test_every_layout_validates_and_the_reference_equals_from_pretrained(saved, layout):
-    from stages.reference import transformers_model
+    from stages.model.reference import transformers_model
 
     folder = saved(layout)
     config = json.loads((folder / "config.json").read_text())
@@ -165,7 +165,7 @@ def test_stop_tokens_come_from_the_checkpoint(exported):
 def test_a_shape_transformers_rejects_is_one_line_naming_the_tensor(saved, tmp_path):
     """A head size that disagrees with the weights: transformers refuses such a folder, so does download,
     and the reference model (for a checkpoint damaged after download) says which tensors."""
-    from stages.reference import transformers_model
+    from stages.model.reference import transformers_model
 
     layout = Layout(CAUSAL, "float32", None, "global_head_dim")
     folder = shutil.copytree(saved(layout), tmp_path / "bad")

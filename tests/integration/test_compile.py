@@ -13,13 +13,13 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from stages.compile import CompileError, check_rules, compile_local, run_compile
-from stages.config import load_config
-from stages.contract import HIDDEN_PREFIX, PER_LAYER_EMBEDS
-from stages.encoding import prepare_io
-from stages.graphs import Binary, binary_layout
+from stages.core.config import load_config
+from stages.core.report import IntegrityError
+from stages.core.soc import get_soc
+from stages.model.contract import HIDDEN_PREFIX, PER_LAYER_EMBEDS
+from stages.model.encoding import prepare_io
+from stages.model.graphs import Binary, binary_layout
 from stages.quantize import run_quantize
-from stages.report import IntegrityError
-from stages.soc import get_soc
 from tests.conftest import copy_workdir
 
 pytestmark = pytest.mark.slow
@@ -112,7 +112,7 @@ def test_v73_soc_gets_one_weight_shared_binary_per_part(quantized_tiny, tmp_path
 
 def test_a_soc_mismatch_between_quantize_and_compile_is_refused(sm8450):
     work, _ = sm8450
-    # The generic check every stage makes of its upstream's config fields (stages.report.check_inputs).
+    # The generic check every stage makes of its upstream's config fields (stages.core.report.check_inputs).
     with pytest.raises(IntegrityError, match=r"another config: soc='SM8550' \(it ran with 'SM8450'\)"):
         run_compile(load_config("tiny", {"soc": "SM8550"}), work)
     assert (work / "compiled" / "report.json").is_file()  # the earlier output is untouched

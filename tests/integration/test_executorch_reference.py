@@ -11,19 +11,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages.builtin_models import TEXT_PREFIX, gemma4_config
-from stages.config import load_config
+from stages.core.config import load_config
 from stages.download import run_download
-from stages.executorch_reference import (
+from stages.export import run_export
+from stages.model.builtin_models import TEXT_PREFIX, gemma4_config
+from stages.model.executorch_reference import (
     executorch_config,
     executorch_model,
     greedy_tokens,
     logits_of,
     unsupported,
 )
-from stages.export import run_export
-from stages.geometry import E2B_TEXT_CONFIG, FULL, SLIDING, e2b_geometry
-from stages.runner import HostRunner
+from stages.model.geometry import E2B_TEXT_CONFIG, FULL, SLIDING, e2b_geometry
+from stages.quant.runner import HostRunner
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def three(tiny, ids):
     transformers, ExecuTorch and the exported graphs."""
     import torch
 
-    from stages import reference
+    from stages.model import reference
 
     ckpt, export_dir = tiny
     prompt, continuation = ids
@@ -98,7 +98,7 @@ def test_executorch_greedy_tokens_match(three):
 
 
 def test_executorch_builds_the_e2b_geometry(tmp_path):
-    """Config only: ExecuTorch's modules on the meta device hold every E2B tensor of stages/geometry.py
+    """Config only: ExecuTorch's modules on the meta device hold every E2B tensor of stages/model/geometry.py
     under its converter's names with the same shape, share KV from the same donors and compute the
     same RoPE frequencies as transformers."""
     import torch

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages.checkpoint import Checkpoint
-from stages.config import load_config
+from stages.core.config import load_config
 from stages.download import run_download
 from stages.export import ExportError, run_export
-from stages.runner import HostRunner
+from stages.model.checkpoint import Checkpoint
+from stages.quant.runner import HostRunner
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def _workdir_with(checkpoint: Path, tmp: Path) -> Path:
 def hf_model(tiny_checkpoint):
     import torch
 
-    from stages.reference import transformers_model
+    from stages.model.reference import transformers_model
 
     torch.manual_seed(0)
     return transformers_model(tiny_checkpoint)
@@ -135,7 +135,7 @@ def test_onnx_graphs_follow_the_contract(export):
 
 
 def test_luts_dequantize_within_half_a_step(export, tiny_checkpoint):
-    from stages.runner import CheckpointEmbedder
+    from stages.quant.runner import CheckpointEmbedder
 
     export_dir, report = export
     lut = HostRunner.from_export(export_dir, luts=True).embed
@@ -202,8 +202,8 @@ def test_missing_tensor_and_foreign_config_fail_cleanly(tiny_checkpoint, tmp_pat
 
     from safetensors.torch import load_file, save_file
 
-    from stages.checkpoint import CheckpointError
-    from stages.report import IntegrityError, describe_inputs, write_report
+    from stages.core.report import IntegrityError, describe_inputs, write_report
+    from stages.model.checkpoint import CheckpointError
 
     work = tmp_path
     ckpt = work / "checkpoints" / "tiny"

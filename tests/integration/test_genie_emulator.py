@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from stages.compile import run_compile
-from stages.config import load_config
-from stages.contract import HIDDEN_PREFIX
-from stages.report import IntegrityError, write_report
-from stages.results import CompileResult, StageReport
+from stages.core.config import load_config
+from stages.core.report import IntegrityError, write_report
+from stages.model.contract import HIDDEN_PREFIX
+from stages.planning.results import CompileResult, StageReport
 from stages.runtimes.genie.bundle import check_manifest, run_bundle
 from stages.runtimes.genie.emulator import EmulatorError, GenieEmulator
 from stages.runtimes.genie.verify import VerifyError, run_verify
@@ -169,7 +169,7 @@ def test_a_wrong_rope_is_refused(mutable, field, value, cause):
 
 def test_the_emulator_builds_its_rope_tables_from_the_config(bundled, mutable, verified):
     """A wrong rope-theta in genie_config.json reaches the binaries' inputs, as it would on the phone."""
-    from stages.chat import ChatTokenizer
+    from stages.model.chat import ChatTokenizer
 
     _edit_genie_config(
         mutable, lambda g: g["engine"]["model"]["positional-encoding"][0].update({"rope-theta": 10.0})
@@ -419,7 +419,7 @@ def test_verify_records_its_sampler_and_validator(verified):
 
 # ---- no silent skips ----
 def test_verify_fails_without_held_out_text_and_can_be_switched_off(mutable, monkeypatch):
-    import stages.calibration as calibration
+    import stages.quant.calibration as calibration
 
     def offline(*_args, **_kwargs):
         raise calibration.CalibrationError("cannot load WikiText-2 (offline)")

@@ -58,7 +58,7 @@ def test_every_flipped_byte_is_caught_and_the_named_rerun_repairs_it(tmp_path):
     line = _error(r)
     assert f"genie_bundle/{binary} changed after bundle wrote it" in line and "`make bundle` again" in line
     recorded = {f["path"]: f["sha256"] for f in compiled["outputs"]}
-    from stages.report import sha256_file
+    from stages.core.report import sha256_file
 
     assert sha256_file(work / "compiled" / binary) == recorded[binary]
     assert _ran(make("-n", "verify", *tiny)) == {"bundle"}

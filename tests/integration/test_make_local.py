@@ -73,7 +73,7 @@ def test_make_compile_with_aihub_against_the_double(tmp_path):
     assert "t0k" not in (tmp_path / "compiled" / "report.json").read_text()
 
 
-# Lines libraries printed in every demo before stages/quiet.py (torchao via transformers in verify,
+# Lines libraries printed in every demo before stages/core/quiet.py (torchao via transformers in verify,
 # onnxruntime's quantizer, libQnnHtp in the compile workers).
 LIBRARY_NOISE = ("Failed to load", "register_constant()", "LIBNATIVE", "pre-processing before quantization")
 

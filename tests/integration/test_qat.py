@@ -1,5 +1,5 @@
 """A quantization-aware-trained checkpoint keeps its own grid: the tiny QAT fixtures (Q4_0's int4 grid
-per channel and per group of 32 inputs, `python -m stages.tiny_model --qat`) written by transformers'
+per channel and per group of 32 inputs, `python -m stages.model.tiny_model --qat`) written by transformers'
 save_pretrained as bf16, imported as a user imports a folder, through quantize and, for the group
 grid kept as LPBQ at blocks of 32, through compile and verify under the real Genie."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.bench import save_qat_checkpoint
-from stages.config import load_config
+from stages.core.config import load_config
+from stages.tools.bench import save_qat_checkpoint
 
 pytestmark = pytest.mark.slow
 PROMPT = "Return the first element of a list."

@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("compressed_tensors")
 
-from stages.bench import save_compressed_checkpoint  # noqa: E402
-from stages.config import load_config  # noqa: E402
+from stages.core.config import load_config  # noqa: E402
+from stages.tools.bench import save_compressed_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPT = "Return the first element of a list."

@@ -10,17 +10,17 @@ from pathlib import Path
 import onnx
 import pytest
 
-from stages.config import load_config
-from stages.contract import LutSpec
+from stages.core.config import load_config
+from stages.core.report import IntegrityError, read_report
 from stages.download import run_download
-from stages.encoding import Encoding
 from stages.export import run_export
+from stages.model.contract import LutSpec
+from stages.model.encoding import Encoding
+from stages.quant.runner import HostRunner
 from stages.quantize.analysis import QuantizeError, analyse
 from stages.quantize.audit import audit
 from stages.quantize.stage import run_quantize
 from stages.quantize.weights import lut_input_encodings
-from stages.report import IntegrityError, read_report
-from stages.runner import HostRunner
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +120,7 @@ def test_the_audit_catches_a_policy_that_was_not_applied(sm8450):
 
 def exported_luts(export_dir: Path) -> dict[str, LutSpec]:
     """The export's LUTs, typed as the stages read them."""
-    from stages.results import ExportResult, StageReport
+    from stages.planning.results import ExportResult, StageReport
 
     return ExportResult(export_dir, StageReport.read(export_dir)).luts
 
@@ -168,7 +168,7 @@ def test_sm8650_may_keep_16_bit_kv(exported, tmp_path):
 
 
 def test_quantized_chain_still_writes_text(sm8450):
-    from stages.chat import ChatTokenizer
+    from stages.model.chat import ChatTokenizer
 
     work, _ = sm8450
     runner = HostRunner.from_export(work / "exported", luts=True, graph_dir=work / "quantized")
@@ -213,8 +213,8 @@ def test_quality_below_the_floor_fails_and_keeps_nothing(exported, tmp_path):
 
 
 def test_calibration_files_in_jsonl_and_a_bad_one(exported, tmp_path):
-    from stages.calibration import CalibrationError, read_text_files
-    from stages.tiny_model import read_corpus
+    from stages.model.tiny_model import read_corpus
+    from stages.quant.calibration import CalibrationError, read_text_files
 
     jsonl = tmp_path / "cal.jsonl"
     text = read_corpus("calibration")
@@ -230,7 +230,7 @@ def test_parquet_calibration_and_the_entropy_method(exported, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stages.tiny_model import read_corpus
+    from stages.model.tiny_model import read_corpus
 
     text = read_corpus("calibration")
     parquet = tmp_path / "cal.parquet"
@@ -264,8 +264,8 @@ def test_two_step_quantize_equals_onnxruntimes_one_call(exported, tmp_path, meth
     single quantize() call makes from the same feeds."""
     from onnxruntime.quantization import quantize
 
-    from stages.calibration import load_texts, token_samples
-    from stages.chat import ChatTokenizer
+    from stages.model.chat import ChatTokenizer
+    from stages.quant.calibration import load_texts, token_samples
     from stages.quantize.calibrate import (
         calibrate,
         calibrated_ranges,
@@ -304,8 +304,8 @@ def test_one_chain_pass_calibrates_every_graph_as_graph_by_graph(exported, tmp_p
     those of calibrating it alone, where the chain runs parts 1..k for it: same calls, same order."""
     import json
 
-    from stages.calibration import load_texts, token_samples
-    from stages.chat import ChatTokenizer
+    from stages.model.chat import ChatTokenizer
+    from stages.quant.calibration import load_texts, token_samples
     from stages.quantize.calibrate import (
         RangeCollector,
         calibrate,
@@ -365,7 +365,7 @@ def test_folded_weights_keep_the_evaluation_figures(sm8450):
     tensor) moves every row and the figures by orders of magnitude more."""
     import numpy as np
 
-    from stages.quality import chain_logits, compare_chains
+    from stages.quant.quality import chain_logits, compare_chains
     from stages.quantize.stage import heldout_samples
 
     work, _ = sm8450
@@ -409,7 +409,7 @@ def test_calibration_reads_external_data_graphs_from_its_copies(exported, tmp_pa
     import onnx
     import pytest as _pytest
 
-    from stages.graphs import copy_graph
+    from stages.model.graphs import copy_graph
     from stages.quantize.calibrate import new_calibrator, qnn_config
 
     src_model = onnx.load(str(next((exported / "exported").glob("prefill_*part1*.onnx"))))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.config import load_config
+from stages.core.config import load_config
 from stages.runtimes.genie.files import GENIE_CONFIG
 from stages.runtimes.genie.prompt import query_text
 from stages.runtimes.genie.real import GREEDY, Query, run_dialog
@@ -124,7 +124,7 @@ def test_the_per_layer_lut_may_be_ufixed4_with_the_even_entry_in_the_low_nibble(
     Genie reads the nibbles in `pack_nibbles`' order."""
     import numpy as np
 
-    from stages.encoding import pack_nibbles
+    from stages.model.encoding import pack_nibbles
 
     def to_4_bits(dest, section, rows):
         q = section["quant-param"]
@@ -152,7 +152,7 @@ def test_the_emulator_feeds_every_call_as_the_real_genie_does(bundle, tmp_path):
     call against the real Genie's own dumps of every graph input on the same bundle and prompt."""
     import numpy as np
 
-    from stages.results import CompileResult, read_result
+    from stages.planning.results import CompileResult, read_result
     from stages.runtimes.genie.emulator import GenieEmulator
 
     work = bundle.parent
@@ -201,7 +201,7 @@ def test_the_emulator_feeds_every_call_as_the_real_genie_does(bundle, tmp_path):
 def test_a_reply_stops_cleanly_at_an_eos_token(bundle, tmp_path):
     """The tiny model never ends a reply within the context by itself, so one of its greedy tokens is
     made an EOS in a copy of the config: Genie must stop there, with status 0, before that token."""
-    from stages.chat import ChatTokenizer
+    from stages.model.chat import ChatTokenizer
 
     text = query_text(bundle, PROMPT)
     full = run_dialog(bundle, [Query(text, 8)], tmp_path / "full.log", GREEDY).answers[0]
@@ -217,10 +217,10 @@ def test_a_4_bit_per_layer_lut_built_end_to_end_answers_as_transformers(bundled,
     ufixed4 per-layer LUT whose 8-bit graph input Genie fills exactly, and the real Genie's greedy
     answer to the demo prompt is transformers' (held-out agreement is in verify's figures)."""
     from stages.compile import run_compile
-    from stages.encoding import UNPACK
     from stages.export import run_export
+    from stages.model.encoding import UNPACK
+    from stages.planning.results import CompileResult, read_result
     from stages.quantize import run_quantize
-    from stages.results import CompileResult, read_result
     from stages.runtimes.genie.bundle import _io, lut_feeds, run_bundle
 
     work = tmp_path / "w"

@@ -8,13 +8,13 @@ import shutil
 import onnxruntime as ort
 import pytest
 
-from stages.bench import collect, to_markdown
 from stages.compile import run_compile
-from stages.config import load_config
+from stages.core.config import load_config
+from stages.core.report import read_report
 from stages.quantize import run_quantize
-from stages.report import read_report
 from stages.runtimes.genie.bundle import run_bundle
 from stages.runtimes.genie.verify import run_verify
+from stages.tools.bench import collect, to_markdown
 from tests.conftest import copy_workdir
 
 pytestmark = pytest.mark.slow

@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 
 from stages.compile import run_compile
-from stages.config import load_config
+from stages.core.config import load_config
+from stages.core.precision import LPBQ_BLOCK_SCALE_MAX, PRECISIONS
 from stages.download import run_download
 from stages.export import run_export
-from stages.precision import LPBQ_BLOCK_SCALE_MAX, PRECISIONS
+from stages.planning.results import ExportResult, StageReport
 from stages.quantize.analysis import analyse
 from stages.quantize.audit import audit
 from stages.quantize.stage import run_quantize
 from stages.quantize.weights import lut_input_encodings
-from stages.results import ExportResult, StageReport
 from stages.runtimes.genie.bundle import run_bundle
 from stages.runtimes.genie.verify import run_verify, transformers_floor
 

@@ -16,8 +16,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from stages.aihub import MAX_ATTEMPTS, AihubError, compile_aihub
-from stages.config import load_config
-from stages.graphs import binary_layout
+from stages.core.config import load_config
+from stages.model.graphs import binary_layout
 from tests.conftest import DOUBLES, REPO
 
 TOKEN = "test-token"
@@ -156,8 +156,8 @@ import sys
 from pathlib import Path
 import qai_hub
 from stages.aihub import compile_aihub
-from stages.config import load_config
-from stages.graphs import binary_layout
+from stages.core.config import load_config
+from stages.model.graphs import binary_layout
 tmp = Path(sys.argv[1])
 cfg = load_config("tiny", {"compiler": "aihub"})
 prepared = {p.stem: p for p in tmp.glob("*.onnx")}

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.calibration import (
+from stages.core.config import load_config
+from stages.quant.calibration import (
     DATASETS_FOLDER,
     WIKITEXT,
     CalibrationError,
@@ -12,7 +13,6 @@ from stages.calibration import (
     local_dataset,
     write_wikitext_copy,
 )
-from stages.config import load_config
 
 
 def test_a_local_copy_of_wikitext_is_read_by_datasets_in_place_of_the_hub(tmp_path: Path):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.builtin_models import gemma4_config, write_tokenizer_files
-from stages.checkpoint import CheckpointError, stop_token_ids
-from stages.geometry import E2B_TEXT_CONFIG, FULL, TINY_TEXT_CONFIG, GeometryError, geometry_from_config
+from stages.model.builtin_models import gemma4_config, write_tokenizer_files
+from stages.model.checkpoint import CheckpointError, stop_token_ids
+from stages.model.geometry import E2B_TEXT_CONFIG, FULL, TINY_TEXT_CONFIG, GeometryError, geometry_from_config
 
 
 def _tiny(**changes) -> dict:

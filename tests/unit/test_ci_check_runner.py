@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.config import load_config
-from stages.needs import job_needs
+from stages.core.config import load_config
+from stages.planning.needs import job_needs
 
 ROOT = Path(__file__).resolve().parents[2]
 GB = 10**9

@@ -120,7 +120,7 @@ def test_plan_reads_a_checkpoint_config(g4v69, tmp_path):
 @pytest.mark.parametrize("field, value", [("precision", "w8a16"), ("ple_policy", "int8")])
 def test_precision_and_ple_policy_change_the_export_stamp(field, value):
     # The part split balances weight bytes at both, so Make must redo the export when either changes.
-    from stages.config import load_config, stamp_name
+    from stages.core.config import load_config, stamp_name
 
     assert stamp_name(load_config("default", {field: value}), "export") != stamp_name(
         load_config("default"), "export"
@@ -149,19 +149,19 @@ def test_doctor_never_prints_a_token(g4v69):
 
 # The error classes whose messages are meant for the user, module by module (the CLI maps them once).
 USER_ERRORS = {
-    "stages.config": ["ConfigError"],
-    "stages.report": ["IntegrityError", "DiskSpaceError"],
-    "stages.chat": ["ChatError"],
-    "stages.runner": ["RunnerError"],
-    "stages.checkpoint": ["CheckpointError"],
+    "stages.core.config": ["ConfigError"],
+    "stages.core.report": ["IntegrityError", "DiskSpaceError"],
+    "stages.model.chat": ["ChatError"],
+    "stages.quant.runner": ["RunnerError"],
+    "stages.model.checkpoint": ["CheckpointError"],
     "stages.runtimes": ["RuntimeFailure"],
-    "stages.geometry": ["GeometryError"],
-    "stages.graphs": ["PartitionError"],
+    "stages.model.geometry": ["GeometryError"],
+    "stages.model.graphs": ["PartitionError"],
     "stages.compile": ["CompileError"],
     "stages.download": ["DownloadError"],
     "stages.export": ["ExportError"],
     "stages.quantize.analysis": ["QuantizeError"],
-    "stages.calibration": ["CalibrationError"],
+    "stages.quant.calibration": ["CalibrationError"],
 }
 
 
@@ -170,7 +170,7 @@ def test_a_user_error_raised_anywhere_is_one_line_and_exit_status_2(module, name
     """No command maps errors itself: any UserFixable that reaches the CLI becomes one line."""
     import importlib
 
-    from stages.errors import UserFixable
+    from stages.core.errors import UserFixable
 
     cls = getattr(importlib.import_module(module), name)
     assert issubclass(cls, UserFixable)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from onnx import TensorProto, helper
 
 from stages.compile import COMPILER_ESTIMATE, binary_allocation, check_rules, io_bytes, weight_bytes
-from stages.graphs import Binary
-from stages.soc import get_soc
+from stages.core.soc import get_soc
+from stages.model.graphs import Binary
 
 GIB = 1 << 30
 

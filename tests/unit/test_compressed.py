@@ -1,7 +1,7 @@
-"""compressed-tensors checkpoints (stages/compressed.py), written by the compressed-tensors library's own
-ModelCompressor and read back by transformers' own loader (which decompresses through that library):
-the checkpoint reader must give the float weights transformers gives, the integers and scales as
-stored, and refuse a layout it cannot carry, naming it."""
+"""compressed-tensors checkpoints (stages/model/compressed.py), written by the compressed-tensors
+library's own ModelCompressor and read back by transformers' own loader (which decompresses through
+that library): the checkpoint reader must give the float weights transformers gives, the integers and
+scales as stored, and refuse a layout it cannot carry, naming it."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 
 pytest.importorskip("compressed_tensors")
 
-from stages.bench import QAT_LINEARS, save_compressed_checkpoint  # noqa: E402
-from stages.checkpoint import Checkpoint, CheckpointError, validate_checkpoint  # noqa: E402
-from stages.compressed import CompressedLayout, CompressedLayoutError  # noqa: E402
-from stages.grid import carried_grid  # noqa: E402
+from stages.model.checkpoint import Checkpoint, CheckpointError, validate_checkpoint  # noqa: E402
+from stages.model.compressed import CompressedLayout, CompressedLayoutError  # noqa: E402
+from stages.quant.grid import carried_grid  # noqa: E402
+from stages.tools.bench import QAT_LINEARS, save_compressed_checkpoint  # noqa: E402
 
 # Every bit width and strategy the reader takes, and a static input scale, in one checkpoint.
 MIXED = (
@@ -56,7 +56,7 @@ def test_float_weights_are_exactly_what_transformers_decompresses(mixed, transfo
 
 
 def test_the_reference_model_answers_as_transformers_own_loader(mixed, transformers_state):
-    from stages.reference import logits_of, transformers_model
+    from stages.model.reference import logits_of, transformers_model
 
     _, theirs = transformers_state
     np.testing.assert_allclose(logits_of(transformers_model(mixed), [2, 40, 50, 60, 70]), theirs, atol=1e-5)

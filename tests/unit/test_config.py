@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from stages.config import (
+from stages.core.config import (
     FIELD_NAMES,
     PRESETS_DIR,
     STAGES,
@@ -156,7 +156,9 @@ def test_the_makefile_helper_prints_the_model_and_its_folder(tmp_path):
     import sys
 
     def helper(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "stages.config", *args], capture_output=True, text=True)
+        return subprocess.run(
+            [sys.executable, "-m", "stages.core.config", *args], capture_output=True, text=True
+        )
 
     assert helper("--from", str(tmp_path / "Mm")).stdout.split()[:2] == ["model=Mm", "checkpoint=mm"]
     assert helper("--model", "google/gemma-4-E2B-it", "--from", str(tmp_path / "Mm")).stdout.split()[:2] == [
@@ -169,7 +171,7 @@ def test_the_makefile_helper_prints_the_model_and_its_folder(tmp_path):
 
 
 def test_calibration_twin_bounds():
-    from stages.graphs import calibration_kind
+    from stages.model.graphs import calibration_kind
 
     cfg = load_config()
     assert calibration_kind(cfg).ar == 128 and calibration_kind(cfg).role == "calibration"
@@ -216,7 +218,7 @@ TINY_BROKEN = {
 
 @pytest.mark.parametrize("case", sorted(TINY_MEASURED))
 def test_the_tiny_floors_admit_every_measured_precision(case):
-    from stages.quality import below_floor
+    from stages.quant.quality import below_floor
 
     precision, top1, kl = TINY_MEASURED[case]
     cfg = load_config("tiny", {"precision": precision})
@@ -225,7 +227,7 @@ def test_the_tiny_floors_admit_every_measured_precision(case):
 
 @pytest.mark.parametrize("case", sorted(TINY_BROKEN))
 def test_the_tiny_floors_stop_a_broken_quantization(case):
-    from stages.quality import below_floor
+    from stages.quant.quality import below_floor
 
     precision, top1, kl = TINY_BROKEN[case]
     cfg = load_config("tiny", {"precision": precision})
@@ -235,7 +237,7 @@ def test_the_tiny_floors_stop_a_broken_quantization(case):
 
 
 def test_the_default_floors_stop_a_collapse():
-    from stages.quality import below_floor
+    from stages.quant.quality import below_floor
 
     for precision in ("w8a16", "w4a16"):
         cfg = load_config("default", {"precision": precision})

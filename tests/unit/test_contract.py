@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from stages.config import load_config
-from stages.contract import ContractError, graph_specs
-from stages.fitting import make_plan, part_layers
-from stages.geometry import TINY_TEXT_CONFIG, e2b_geometry, geometry_from_config
+from stages.core.config import load_config
+from stages.model.contract import ContractError, graph_specs
+from stages.model.geometry import TINY_TEXT_CONFIG, e2b_geometry, geometry_from_config
+from stages.planning.fitting import make_plan, part_layers
 
 HOST_INPUTS = {
     "inputs_embeds",
@@ -101,7 +101,7 @@ def test_context_must_leave_room_for_the_window():
 def test_sampling_greedy_top_k_top_p_and_seeded_temperature():
     import numpy as np
 
-    from stages.runner import Sampling
+    from stages.quant.runner import Sampling
 
     logits = np.array([0.0, 3.0, 2.9, -1.0, 2.8])
     assert Sampling().picker()(logits) == 1

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from conftest import REPO
 
-from stages import docs
+from stages.tools import docs
 
 README_MAX_LINES = 150
 # A repository path as the code and docs cite it: a top-level folder, then a file name with a suffix.
@@ -21,7 +21,7 @@ FACTS_CITATION = re.compile(r"docs/facts\.md §(\d\w*)")
 
 
 def _code_files() -> list[Path]:
-    files = [REPO / "Makefile", *REPO.glob("stages/**/*.py"), *REPO.glob("stages/presets/*.toml")]
+    files = [REPO / "Makefile", *REPO.glob("stages/**/*.py"), *REPO.glob("stages/core/presets/*.toml")]
     files += [*REPO.glob("tests/**/*.py"), *REPO.glob("templates/*"), *REPO.glob("ci/*.sh")]
     files += [*REPO.glob("ci/*.yml"), *REPO.glob("docker/**/*.sh"), *REPO.glob("docker/**/*.py")]
     files += [*REPO.glob("docker/*.Dockerfile")]
@@ -96,7 +96,7 @@ def test_a_missing_cited_path_is_found():
         (1, "docs/stages/quantize.md"),
     ]
     # Another repository's file, and a path that is a pattern, are not this repository's files.
-    text = "(avisre/gemma4-snapdragon-npu docs/CHALLENGES.md) stages/presets/$(P).toml"
+    text = "(avisre/gemma4-snapdragon-npu docs/CHALLENGES.md) stages/core/presets/$(P).toml"
     assert cited_paths(text, code_spans_only=False) == []
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from conftest import TINY_GEMMA4_CONFIG, run
 
-from stages import builtin_models as bm
-from stages import checkpoint as ck
 from stages import download as dl
-from stages.geometry import E2B_TEXT_CONFIG, TINY_TEXT_CONFIG, geometry_from_config
-from stages.report import read_report, sha256_file
+from stages.core.report import read_report, sha256_file
+from stages.model import builtin_models as bm
+from stages.model import checkpoint as ck
+from stages.model.geometry import E2B_TEXT_CONFIG, TINY_TEXT_CONFIG, geometry_from_config
 
 REPO_ID = "google/gemma-4-E2B-it"
 RESOLVED_SHA = "0123456789abcdef0123456789abcdef01234567"

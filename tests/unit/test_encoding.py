@@ -1,10 +1,10 @@
-"""Genie's LUT -> graph-input feeding rule (stages/encoding.py)."""
+"""Genie's LUT -> graph-input feeding rule (stages/model/encoding.py)."""
 
 import numpy as np
 import pytest
 
-from stages.contract import LutSpec
-from stages.encoding import (
+from stages.model.contract import LutSpec
+from stages.model.encoding import (
     COPY,
     REQUANTIZE,
     UNPACK,

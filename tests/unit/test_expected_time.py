@@ -1,11 +1,12 @@
-"""stages/needs.py expected_stages: how long each stage should take here, from the committed bench runs."""
+"""stages/planning/needs.py expected_stages: how long each stage should take here, from the
+committed bench runs."""
 
 import json
 
 import pytest
 
-from stages.config import load_config
-from stages.needs import BENCH_RESULTS, expected_stages, render_expected, scaled_wall
+from stages.core.config import load_config
+from stages.planning.needs import BENCH_RESULTS, expected_stages, render_expected, scaled_wall
 
 
 def test_only_the_share_that_kept_every_core_busy_scales_with_the_cores():
@@ -52,8 +53,8 @@ def test_the_bench_run_closest_to_the_config_is_the_witness(tmp_path):
 
 
 def test_the_committed_e2b_runs_price_the_default_job():
-    from stages.fitting import make_plan
-    from stages.geometry import e2b_geometry
+    from stages.model.geometry import e2b_geometry
+    from stages.planning.fitting import make_plan
 
     cfg = load_config()
     got = expected_stages(cfg, make_plan(e2b_geometry(), cfg).params["total"], 2, BENCH_RESULTS)

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from stages.builtin_models import gemma4_config
-from stages.config import load_config
+from stages.core.config import load_config
+from stages.core.report import write_report
 from stages.export import ExportError, run_export
-from stages.geometry import E2B_TEXT_CONFIG
-from stages.report import write_report
+from stages.model.builtin_models import gemma4_config
+from stages.model.geometry import E2B_TEXT_CONFIG
 
 
 def test_a_part_over_the_context_limit_is_refused(tmp_path):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stages.encoding import Encoding
-from stages.encoding import feed as requantize
+from stages.model.encoding import Encoding
+from stages.model.encoding import feed as requantize
 from stages.runtimes.genie.emulator import CacheGroup, EmulatorError, pick_ar, rope_table
 
 

@@ -73,7 +73,7 @@ def test_genie_s_validator_missing_is_a_problem_not_a_pass(monkeypatch):
 
 def test_a_binary_without_the_soc_string_is_refused(tmp_path):
     from stages.compile import CompileError, check_binary
-    from stages.soc import get_soc
+    from stages.core.soc import get_soc
 
     soc = get_soc("SM8450")
     good = tmp_path / "good.bin"

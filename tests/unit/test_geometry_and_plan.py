@@ -7,8 +7,11 @@ import re
 import pytest
 from conftest import TINY_GEMMA4_CONFIG
 
-from stages.config import load_config
-from stages.fitting import (
+from stages.core.config import load_config
+from stages.core.precision import INT4_CHANNEL, INT4_LPBQ64
+from stages.model.geometry import FULL, SLIDING, e2b_geometry, geometry_from_config
+from stages.model.graphs import PartitionError, partition_layers
+from stages.planning.fitting import (
     GIB,
     LayoutRuleError,
     kv_cache_bytes,
@@ -19,9 +22,6 @@ from stages.fitting import (
     recommended_layout,
     rule_layout,
 )
-from stages.geometry import FULL, SLIDING, e2b_geometry, geometry_from_config
-from stages.graphs import PartitionError, partition_layers
-from stages.precision import INT4_CHANNEL, INT4_LPBQ64
 
 MIB = 1 << 20
 
@@ -41,7 +41,7 @@ def test_the_qat_preset_is_the_layout_its_rule_picks_for_a_qat_source(geo):
     """A known QAT source whose groups LPBQ keeps ranks LPBQ above int4 per channel; at the preset's
     30 tokens/s target the rule picks it all at 4 bits. The same targets on the plain checkpoint pick
     int4 per channel (the two tie there, and the smaller AR wins)."""
-    from stages.fitting import quality_rank
+    from stages.planning.fitting import quality_rank
 
     cfg = load_config("qat")
     pick = rule_layout(make_layouts(geo, cfg), cfg)
@@ -299,7 +299,7 @@ def test_roofline_of_one_call_against_hand_counted_figures(geo):
 
 
 def test_prompt_seconds_follows_genies_choice_of_graph(geo):
-    from stages.fitting import CallCost
+    from stages.planning.fitting import CallCost
 
     decode = CallCost("decode", 1, 0, 0, memory_s=0.040, compute_s=0.001)
     prefill = CallCost("prefill", 32, 0, 0, memory_s=0.041, compute_s=0.050)
@@ -369,7 +369,7 @@ def test_layouts_are_only_those_genie_accepts():
 
 
 def test_resolve_geometry_prefers_the_config_given_then_the_download_then_the_builtin(tmp_path):
-    from stages.geometry import builtin_geometry, e2b_geometry, resolve_geometry
+    from stages.model.geometry import builtin_geometry, e2b_geometry, resolve_geometry
 
     downloaded = tmp_path / "checkpoints" / "gemma-4-e2b-it"
     assert resolve_geometry("google/gemma-4-E2B-it", downloaded) == builtin_geometry("google/gemma-4-E2B-it")

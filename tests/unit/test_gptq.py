@@ -8,9 +8,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from stages.config import ConfigError, load_config
-from stages.gptq import DAMPENING, FULL_HESSIAN_MAX_WIDTH, Hessian, gptq, output_error
-from stages.precision import INT8_CHANNEL
+from stages.core.config import ConfigError, load_config
+from stages.core.precision import INT8_CHANNEL
+from stages.quant.gptq import DAMPENING, FULL_HESSIAN_MAX_WIDTH, Hessian, gptq, output_error
 from stages.quantize.weights import RoundedWeight, WeightRounder, expected_scheme, int4_channel
 
 
@@ -102,7 +102,7 @@ def test_the_mixed_share_keeps_the_most_error_per_byte_at_int8_within_its_parame
 
 
 def test_measured_costs_outrank_the_local_error_and_kl_is_kl():
-    from stages.sensitivity import mean_kl, sensitivity_samples
+    from stages.quant.sensitivity import mean_kl, sensitivity_samples
 
     rounder = _rounder("20")
     # Measured end to end, the q projection costs the most per parameter (its local error is low).
@@ -137,7 +137,7 @@ def test_the_int8_share_is_priced_and_refused_where_it_means_nothing():
 
 
 def test_the_scale_search_lowers_every_columns_output_error_and_is_one_gptq_rounding():
-    from stages.gptq import column_errors
+    from stages.quant.gptq import column_errors
 
     w, x, h = _layer(rows=128, cols=32, seed=1)
     q_plain, s_plain = int4_channel(w, hessian=h)

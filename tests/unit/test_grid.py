@@ -1,11 +1,11 @@
-"""stages/grid.py: reading the integer grid a quantization-aware-trained weight sits on, from its bf16
+"""stages/quant/grid.py: reading the integer grid a quantization-aware-trained weight sits on, from its bf16
 values alone."""
 
 import numpy as np
 import pytest
 import torch
 
-from stages.grid import find_grid
+from stages.quant.grid import find_grid
 
 
 def as_bf16(x: np.ndarray) -> np.ndarray:
@@ -73,7 +73,7 @@ NAME = "layers.0.mlp.down_proj.weight"
 
 
 def _rounder(precision: str):
-    from stages.config import load_config
+    from stages.core.config import load_config
     from stages.quantize.weights import WeightRounder
 
     return WeightRounder(load_config("tiny", {"precision": precision}), None)
@@ -122,7 +122,7 @@ def test_mixed_precision_never_moves_a_kept_grid_to_int8():
 def test_q4_0s_negative_scales_are_read_and_kept_with_their_plus_8s_clipped():
     """Q4_0 (llama.cpp, Google's QAT q4_0) sets d = largest-magnitude value / -8: where that value is
     positive the scale is negative and the group's integers, under a positive step, reach +8."""
-    from stages.tiny_model import q4_0
+    from stages.model.tiny_model import q4_0
 
     rng = np.random.default_rng(5)
     w = as_bf16(q4_0(torch.from_numpy(rng.normal(size=(32, 64)).astype(np.float32)), None).numpy())
@@ -142,7 +142,7 @@ def test_the_bench_q4_0_weights_are_on_a_grid_find_grid_reads_back():
     """bench-quality's E2B QAT rows time weights made by `q4_0_snapped`: they must be what a QAT
     checkpoint holds (Q4_0's groups of 32, its negative scales, bf16), or the row times nothing."""
     pytest.importorskip("torch")
-    from stages.bench import q4_0_snapped
+    from stages.tools.bench import q4_0_snapped
 
     w = (np.random.default_rng(3).normal(size=(256, 48)) * 0.02).astype(np.float32)
     grid = find_grid(q4_0_snapped(w).T)

@@ -11,10 +11,10 @@ import shutil
 
 import pytest
 
-from stages import report as rp
-from stages.config import load_config, stage_key, stamp_name
-from stages.config import main as config_main
-from stages.report import (
+from stages.core import report as rp
+from stages.core.config import load_config, stage_key, stamp_name
+from stages.core.config import main as config_main
+from stages.core.report import (
     DiskSpaceError,
     IntegrityError,
     check_inputs,

@@ -1,4 +1,4 @@
-"""The job (stages/job.py): worked out once by export, handed on typed, read back as written."""
+"""The job (stages/planning/job.py): worked out once by export, handed on typed, read back as written."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from stages.config import load_config
-from stages.geometry import TINY_TEXT_CONFIG, geometry_from_config
-from stages.graphs import CALIBRATION_ROLE, binary_layout
-from stages.job import Job
-from stages.results import OutdatedResult, QuantizeResult, StageReport
+from stages.core.config import load_config
+from stages.model.geometry import TINY_TEXT_CONFIG, geometry_from_config
+from stages.model.graphs import CALIBRATION_ROLE, binary_layout
+from stages.planning.job import Job
+from stages.planning.results import OutdatedResult, QuantizeResult, StageReport
 
 
 def _job(**overrides) -> tuple[Job, object]:

@@ -25,12 +25,12 @@ def _string_constants(path: Path):
 
 
 def test_tensor_names_are_spelled_only_in_the_contract():
-    """stages/contract.py owns every graph tensor name, name pattern and Genie LUT section name; a
+    """stages/model/contract.py owns every graph tensor name, name pattern and Genie LUT section name; a
     name typed elsewhere is a second source that drifts (issue 16)."""
     import re
 
-    from stages import contract
-    from stages.geometry import FULL, SLIDING
+    from stages.model import contract
+    from stages.model.geometry import FULL, SLIDING
 
     names = {
         contract.INPUTS_EMBEDS,
@@ -54,7 +54,7 @@ def test_tensor_names_are_spelled_only_in_the_contract():
         for line, value in _string_constants(path):
             if value in names or any(p.match(value) for p in patterns):
                 found.append(f"{path.relative_to(REPO)}:{line}: {value!r}")
-    assert not found, "tensor names outside stages/contract.py:\n" + "\n".join(found)
+    assert not found, "tensor names outside stages/model/contract.py:\n" + "\n".join(found)
 
 
 def _module(path: Path) -> str:

@@ -120,11 +120,11 @@ def test_stage_chain_order():
 
 
 def test_stage_recipes_run_in_the_images_and_folders_of_the_stage_table(tmp_path):
-    """The stage table (stages/pipeline.py) is the one source of each stage's image and folder; the
+    """The stage table (stages/core/pipeline.py) is the one source of each stage's image and folder; the
     Makefile's recipes must run each stage in that image and look for its report in that folder."""
     import re
 
-    from stages.pipeline import PIPELINE, STAGE_NAMES
+    from stages.core.pipeline import PIPELINE, STAGE_NAMES
 
     r = make("-n", "verify", "RUNNER=docker", "PRESET=tiny", f"WORKDIR={tmp_path}", "-W", "FORCE")
     assert r.returncode == 0, r.stderr
@@ -142,7 +142,7 @@ def test_stage_recipes_run_in_the_images_and_folders_of_the_stage_table(tmp_path
 def test_stage_rules_follow_the_stage_table(tmp_path):
     """A stage's report depends on its upstream stages' reports (and its stamp, or FORCE for a check
     without one), read off the rule Make built from the table, not a hand-written copy."""
-    from stages.pipeline import PIPELINE
+    from stages.core.pipeline import PIPELINE
 
     db = make("-p", "-n", "-q", "help", "PRESET=tiny", f"WORKDIR={tmp_path}").stdout
     for s in PIPELINE:

@@ -1,5 +1,5 @@
 """Adding a stage touches the stage table and the stage's own module only: a throwaway stage is added to
-a copy of the package (one row in stages/pipeline.py, one new module), and the CLI runs it through the
+a copy of the package (one row in stages/core/pipeline.py, one new module), and the CLI runs it through the
 stage driver (inputs checked, report and stamp written) and the Makefile makes its rule, with no other
 file edited."""
 
@@ -30,9 +30,9 @@ import json
 
 import click
 
-from stages.command import Context
-from stages.pipeline import output_dir
-from stages.report import StageJob, read_report
+from stages.core.command import Context
+from stages.core.pipeline import output_dir
+from stages.core.report import StageJob, read_report
 
 
 def run_summary(cfg, workdir, checkpoint_dir):
@@ -61,7 +61,7 @@ def _copy_with_a_new_stage(dest: Path) -> Path:
     for script in ("docker/base/build-base.sh", "docker/image-tag.sh"):
         (dest / script).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / script, dest / script)
-    table = dest / "stages" / "pipeline.py"
+    table = dest / "stages" / "core" / "pipeline.py"
     text = table.read_text()
     end = text.index(")\nSTAGE_NAMES")
     table.write_text(text[:end] + ROW + text[end:])
@@ -117,4 +117,4 @@ def test_a_stage_is_a_table_row_and_a_module(tmp_path: Path) -> None:
 
     ours, theirs = sources(REPO / "stages"), sources(tree / "stages")
     edited = sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))
-    assert edited == ["pipeline.py", "summary.py"], edited
+    assert edited == ["core/pipeline.py", "summary.py"], edited

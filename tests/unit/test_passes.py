@@ -20,7 +20,7 @@ def test_a_pass_is_timed_with_what_it_read_even_when_it_fails():
 
 
 def test_the_e2b_cost_of_a_recipe_is_the_measured_time_per_call_times_its_calls():
-    from stages.calibration_bench import e2b_costs
+    from stages.tools.calibration_bench import e2b_costs
 
     config = {
         "calibration_ar": 128,
@@ -47,7 +47,7 @@ def test_the_e2b_cost_of_a_recipe_is_the_measured_time_per_call_times_its_calls(
 
 
 def test_the_bench_table_shows_each_pass_and_its_time_per_unit():
-    from stages.bench import passes_markdown
+    from stages.tools.bench import passes_markdown
 
     assert passes_markdown(None) == []
     lines = passes_markdown(
@@ -57,7 +57,7 @@ def test_the_bench_table_shows_each_pass_and_its_time_per_unit():
 
 
 def test_the_recipe_table_marks_each_preset_share_and_says_when_e2b_is_unpriced():
-    from stages.calibration_bench import recipe_markdown
+    from stages.tools.calibration_bench import recipe_markdown
 
     tiny = [
         {

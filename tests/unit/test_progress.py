@@ -1,10 +1,10 @@
-"""stages/progress.py: bars on a terminal, a few whole lines in a log."""
+"""stages/core/progress.py: bars on a terminal, a few whole lines in a log."""
 
 import io
 
 import pytest
 
-from stages.progress import line_mode, tqdm
+from stages.core.progress import line_mode, tqdm
 
 
 def test_a_log_gets_a_line_at_the_start_and_one_at_the_end_not_thousands(monkeypatch):

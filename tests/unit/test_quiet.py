@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from stages.quiet import quiet_libraries
+from stages.core.quiet import quiet_libraries
 
 PYTREE_MSG = (
     "%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type. "
@@ -78,7 +78,7 @@ def test_known_library_log_lines_are_dropped_and_others_kept():
 
 WORKER = r"""
 import ctypes, sys
-from stages.quiet import call_without_native_noise
+from stages.core.quiet import call_without_native_noise
 
 def work(n):
     libc = ctypes.CDLL(None)
@@ -103,7 +103,7 @@ def test_native_stdout_filter_drops_only_the_known_line():
 QUIET_IMPORT = """
 import sys
 if sys.argv[1] == "quiet":
-    from stages.quiet import quiet_libraries
+    from stages.core.quiet import quiet_libraries
     quiet_libraries()
 from transformers import Gemma4ForCausalLM
 """

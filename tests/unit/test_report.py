@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from stages.report import read_report, stage_output
+from stages.core.report import read_report, stage_output
 
 
 def test_success_writes_report_and_swaps_in(tmp_path):
@@ -55,7 +55,7 @@ def test_secrets_never_reach_a_report(tmp_path, monkeypatch):
 
 
 def _child_peak() -> int:
-    from stages.report import process_peak_rss_bytes
+    from stages.core.report import process_peak_rss_bytes
 
     return process_peak_rss_bytes()
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.report import stage_output
-from stages.results import CompileResult, ExportResult, StageReport, read_result, require_result
+from stages.core.report import stage_output
+from stages.planning.results import CompileResult, ExportResult, StageReport, read_result, require_result
 
 
 class Missing(ValueError):

@@ -39,7 +39,8 @@ def test_genie_errors_are_runtime_failures_and_push_and_run_stay_light():
     # The tools image (adb, no numpy or onnx) runs push and run: their imports must not need them.
     code = (
         "import sys; from stages.runtimes import get_runtime; import stages.runtimes.genie.device, "
-        "stages.chat; print(sorted(m for m in ('numpy', 'onnx', 'onnxruntime', 'torch') if m in sys.modules))"
+        "stages.model.chat; "
+        "print(sorted(m for m in ('numpy', 'onnx', 'onnxruntime', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -62,10 +63,10 @@ def test_genie_refuses_a_step_as_wide_as_the_sliding_window_before_export(tmp_pa
     from click.testing import CliRunner
 
     from stages.cli import main
-    from stages.config import load_config
+    from stages.core.config import load_config
     from stages.download import run_download
     from stages.export import ExportError, run_export
-    from stages.geometry import builtin_geometry
+    from stages.model.geometry import builtin_geometry
     from stages.runtimes.genie.rules import window_not_written
 
     genie, tiny = get_runtime("genie"), builtin_geometry("tiny")
@@ -92,14 +93,14 @@ def test_the_plan_takes_its_layout_wording_from_the_runtime():
     """How each layout runs is the runtime's to say (Runtime.describe_layout), not the planner's."""
     from pathlib import Path
 
-    from stages.config import load_config
-    from stages.fitting import layout_configs
-    from stages.geometry import builtin_geometry
+    from stages.core.config import load_config
+    from stages.model.geometry import builtin_geometry
+    from stages.planning.fitting import layout_configs
 
     genie = get_runtime("genie")
     assert "AR-4 chunks" in genie.describe_layout(4, 1) and "own AR-1 call" in genie.describe_layout(1, 1)
     cfg = load_config("tiny")
     for variant, how in layout_configs(builtin_geometry("tiny"), cfg):
         assert how == genie.describe_layout(variant.prefill_ar, variant.decode_ar)
-    planner = (Path(__file__).parents[2] / "stages" / "fitting.py").read_text()
+    planner = (Path(__file__).parents[2] / "stages" / "planning" / "fitting.py").read_text()
     assert "prepareInferenceStrategy: it picks" not in planner and "chunks (last one padded)" not in planner

@@ -1,6 +1,6 @@
 import pytest
 
-from stages.soc import SOCS, UnknownSocError, get_soc
+from stages.core.soc import SOCS, UnknownSocError, get_soc
 
 
 def test_table_has_the_six_targets():

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from stages import tiny_model
-from stages.builtin_models import build_tokenizer
 from stages.download import write_builtin_checkpoint
-from stages.geometry import TINY_TEXT_CONFIG, geometry_from_config
+from stages.model import tiny_model
+from stages.model.builtin_models import build_tokenizer
+from stages.model.geometry import TINY_TEXT_CONFIG, geometry_from_config
 
 
 def test_corpus_parts_are_disjoint_by_module():

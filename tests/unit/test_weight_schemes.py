@@ -1,5 +1,5 @@
 """4-bit decoder weights: the int8 weight DequantizeLinear onnxruntime writes is rewritten to the
-precision's scheme (stages/precision.py), runs on onnxruntime's CPU EP, and keeps what it should."""
+precision's scheme (stages/core/precision.py), runs on onnxruntime's CPU EP, and keeps what it should."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from stages.config import load_config
-from stages.precision import INT4_LPBQ64, LPBQ_BLOCK_SCALE_MAX
+from stages.core.config import load_config
+from stages.core.precision import INT4_LPBQ64, LPBQ_BLOCK_SCALE_MAX
+from stages.quant.runner import session_options
 from stages.quantize.weights import (
     _pack_int4,
     apply_weight_scheme,
@@ -19,7 +20,6 @@ from stages.quantize.weights import (
     lpbq_block,
     weight_role,
 )
-from stages.runner import session_options
 
 ROWS, COLS = 256, 16
 
@@ -201,7 +201,7 @@ def test_int4_channel_is_the_same_on_any_number_of_threads():
 def test_folding_sessions_fold_weights_over_onnxruntimes_default_limit(tmp_path, monkeypatch, limit, folded):
     """E2B's lm_head dequantizes to 1.6 GB, over onnxruntime's default 1 GiB folding limit; the
     folding session raises the limit (checked here through a small limit: the key must be honoured)."""
-    import stages.runner as runner
+    import stages.quant.runner as runner
 
     if limit is not None:
         monkeypatch.setattr(runner, "FOLD_LIMIT_BYTES", limit)
@@ -238,9 +238,9 @@ def test_plan_and_quantize_store_every_weight_by_the_same_rule(ple_policy: str, 
     """The planner prices a geometry tensor by its kind, quantize writes and audits a graph weight by its
     name: both must land on one scheme for every weight the graphs hold, at every precision the SoC runs
     (a second copy of the rule is what drifted before)."""
-    from stages.fitting import KIND_ROLES, weight_scheme
-    from stages.geometry import EMBEDDING, LINEAR, PLE, builtin_geometry
-    from stages.precision import usable_precisions
+    from stages.core.precision import usable_precisions
+    from stages.model.geometry import EMBEDDING, LINEAR, PLE, builtin_geometry
+    from stages.planning.fitting import KIND_ROLES, weight_scheme
     from stages.quantize.weights import LM_HEAD_WEIGHT, expected_scheme
 
     base = load_config("tiny", {"ple_policy": ple_policy, "lm_head_bits": lm_head_bits})

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from stages.config import PipelineConfig
+from stages.core.config import PipelineConfig
 
 
 class GenieRuntime:
@@ -24,9 +24,9 @@ class GenieRuntime:
     def layout_problems(self, cfg: PipelineConfig, geo) -> list[str]:
         """A graph call as wide as a sliding-window group's past or wider: Genie 2.51 never writes
         that group's cache (rules.window_not_written, measured with the real libGenie.so)."""
-        from stages.contract import CACHE_PREFIX
-        from stages.geometry import SLIDING
-        from stages.graphs import past_len
+        from stages.model.contract import CACHE_PREFIX
+        from stages.model.geometry import SLIDING
+        from stages.model.graphs import past_len
         from stages.runtimes.genie.rules import window_not_written
 
         if not any(layer.attention == SLIDING for layer in geo.layers):
@@ -44,7 +44,7 @@ class GenieRuntime:
         return layout_behaviour(prefill_ar, decode_ar)
 
     def package(self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
-        from stages.chat import ChatError
+        from stages.model.chat import ChatError
         from stages.runtimes.genie.bundle import BundleError, run_bundle
 
         try:
@@ -58,9 +58,9 @@ class GenieRuntime:
         """options: max_new_tokens, engine (None: the config's verify_engine), min_prefix and min_top1
         (None: verify.Thresholds' defaults), heldout_check (False: VERIFY_HELDOUT=off), real_genie
         (False: VERIFY_REAL_GENIE=off)."""
-        from stages.chat import ChatError
-        from stages.checkpoint import CheckpointError
-        from stages.runner import RunnerError
+        from stages.model.chat import ChatError
+        from stages.model.checkpoint import CheckpointError
+        from stages.quant.runner import RunnerError
         from stages.runtimes.genie.verify import Thresholds, VerifyError, run_verify
 
         thresholds = Thresholds.with_overrides(options.pop("min_prefix", None), options.pop("min_top1", None))
@@ -80,7 +80,7 @@ class GenieRuntime:
         return push_bundle(bundle_dir, sdk_root, serial, adb)
 
     def run(self, bundle_dir: Path, prompt: str, serial: str | None, adb: str) -> dict[str, Any]:
-        from stages.chat import ChatError
+        from stages.model.chat import ChatError
         from stages.runtimes.genie.device import DeviceError, read_manifest, run_on_device
         from stages.runtimes.genie.prompt import query_text
 

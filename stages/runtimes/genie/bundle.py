@@ -23,8 +23,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from stages.config import PipelineConfig
-from stages.contract import (
+from stages.core.config import PipelineConfig
+from stages.core.pipeline import output_dir
+from stages.core.report import (
+    REPORT_NAME,
+    StageJob,
+    copy_file,
+    read_report,
+    sha256_file,
+)
+from stages.model.contract import (
     CACHE_PREFIX,
     GENIE_LUT_DATATYPES,
     GENIE_LUT_LIMIT_BYTES,
@@ -35,17 +43,9 @@ from stages.contract import (
     ROPE_PREFIX,
     rope_name,
 )
-from stages.encoding import REQUANTIZE, Encoding, feed_mode, shared_tensor_mismatches
-from stages.geometry import FULL, SLIDING, Geometry
-from stages.pipeline import output_dir
-from stages.report import (
-    REPORT_NAME,
-    StageJob,
-    copy_file,
-    read_report,
-    sha256_file,
-)
-from stages.results import CompileResult, ExportResult, StageReport, require_result
+from stages.model.encoding import REQUANTIZE, Encoding, feed_mode, shared_tensor_mismatches
+from stages.model.geometry import FULL, SLIDING, Geometry
+from stages.planning.results import CompileResult, ExportResult, StageReport, require_result
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.files import GENIE_CONFIG, HTP_EXT_CONFIG, MANIFEST, TOKENIZER, TOKENIZER_CONFIG
 from stages.runtimes.genie.rules import dialog_context_size, sampler_problems
@@ -82,7 +82,7 @@ def checkpoint_fields(checkpoint_dir: Path) -> dict[str, dict[str, Any]]:
     eos-token (the stop ids) and pad-token, and the sampler (its generation_config.json's settings,
     Gemma's published ones where it has none, seed SAMPLER_SEED). The bundle writes them; verify holds
     a bundle's config to them."""
-    from stages.checkpoint import Checkpoint, stop_token_ids
+    from stages.model.checkpoint import Checkpoint, stop_token_ids
 
     config = Checkpoint(checkpoint_dir).geometry.config
     gen_path = checkpoint_dir / "generation_config.json"
@@ -128,7 +128,7 @@ def render_context(
     compiled: CompileResult,
 ) -> dict[str, Any]:
     """Everything the two templates print, derived; nothing here is a hand-copied number."""
-    from stages.checkpoint import Checkpoint
+    from stages.model.checkpoint import Checkpoint
 
     geo = Checkpoint(checkpoint_dir).geometry
     soc = cfg.soc_info
@@ -271,7 +271,7 @@ def schema_errors(value: Any, schema: dict[str, Any], where: str = "") -> list[s
 
 def lut_feeds(genie: dict[str, Any], io: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """How Genie fills each LUT-fed graph input of each graph from the config's LUT
-    (`stages.encoding.feed_mode`): "copy", "unpack", "requantize", or None (it cannot)."""
+    (`stages.model.encoding.feed_mode`): "copy", "unpack", "requantize", or None (it cannot)."""
     d = genie["dialog"]
     feeds = []
     for tensor, lut_key in LUT_INPUTS.items():
@@ -459,7 +459,7 @@ def bundle_name(cfg: PipelineConfig) -> str:
 
 def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
     """The whole stage; returns its report. A bad input raises BundleError and writes nothing."""
-    from stages.chat import chat_template, join_adjacent_string_literals
+    from stages.model.chat import chat_template, join_adjacent_string_literals
 
     compiled_dir, export_dir = output_dir(workdir, "compile"), output_dir(workdir, "export")
     compiled = require_result(workdir, "compile", CompileResult, BundleError)
@@ -483,7 +483,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     problems += [
         f"htp_backend_ext_config.json{e}" for e in schema_errors(htp_ext, _schema("htp_backend_ext_config"))
     ]
-    from stages.checkpoint import Checkpoint
+    from stages.model.checkpoint import Checkpoint
 
     problems += consistency_errors(genie, files, io, Checkpoint(checkpoint_dir).geometry)
     if not problems:

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from stages.report import sha256_file
+from stages.core.report import sha256_file
+from stages.core.soc import SOCS
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST, QAIRT_RUNTIME_LIBS
-from stages.soc import SOCS
 
 REMOTE_ROOT = "/data/local/tmp"
 GENIE_RUN = "genie-t2t-run"
@@ -450,7 +450,7 @@ def _human(n: float) -> str:
 def push_bundle(bundle_dir: Path, sdk_root: Path | None, serial: str | None = None, adb: str = "adb") -> dict:
     """Put the bundle and the QAIRT runtime into /data/local/tmp/<name> on the phone, resuming a push
     that was cut short; returns figures about what was sent."""
-    from stages.progress import tqdm
+    from stages.core.progress import tqdm
 
     started = time.monotonic()
     bundle_dir = Path(bundle_dir)

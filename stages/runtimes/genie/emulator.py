@@ -15,7 +15,7 @@ Genie behaviours emulated, and the public file each follows (GENIE_BEHAVIOURS li
 - LUT -> graph input: byte copy when datatype, scale and offset are equal; fixed -> fixed
   requantization otherwise, with Genie's arithmetic (q_in = (T)(s_l/s_i * q_l + s_l/s_i * o_l - o_i),
   a C cast: truncation, no clamp); float32 -> float32 copy; nothing else (qualla/dialog.cpp:
-  calculateRequantEncodings, m_t2eCallbacks, requantEmbedding; stages/encoding.py states the table).
+  calculateRequantEncodings, m_t2eCallbacks, requantEmbedding; stages/model/encoding.py states the table).
 - Splits: graphs are bucketed by (AR, CL) and ordered by graph name (a std::set), tensors are wired by
   name through one shared buffer per name, so a part's output reaches the next part as raw bytes
   (qualla/engines/qnn-htp/nsp-model.cpp, initializeModel; QnnApi.cpp).
@@ -70,7 +70,7 @@ Assumptions (Genie's Gemma 4 support, Genie >= 2.48, is newer than the public so
 - The chat template is rendered on the host as `make run` renders it (without its leading BOS text,
   which Genie adds as bos-token), and Genie's tokenizer adds no special tokens of its own (the
   tokenizers-cpp Encode(text) default).
-- A sampled draw is the host runner's (`stages.runner.Sampling`: temperature, then top-k and top-p)
+- A sampled draw is the host runner's (`stages.quant.runner.Sampling`: temperature, then top-k and top-p)
   with numpy's generator seeded by sampler.seed, not Genie's std::mt19937: the same distribution, not
   the same draws.
 """
@@ -89,11 +89,11 @@ from typing import Any
 
 import numpy as np
 
-from stages.contract import GENIE_LUT_SECTION, INPUTS_EMBEDS, LOGITS, LUT_INPUTS, MASK_NAME
-from stages.encoding import Encoding, EncodingError, LutFile, feed, feed_mode
-from stages.geometry import FULL
-from stages.quiet import native_stdout_without
-from stages.results import CompileResult
+from stages.core.quiet import native_stdout_without
+from stages.model.contract import GENIE_LUT_SECTION, INPUTS_EMBEDS, LOGITS, LUT_INPUTS, MASK_NAME
+from stages.model.encoding import Encoding, EncodingError, LutFile, feed, feed_mode
+from stages.model.geometry import FULL
+from stages.planning.results import CompileResult
 from stages.runtimes.genie.rules import (
     SAMPLER_DEFAULTS,
     sampler_is_greedy,
@@ -211,7 +211,7 @@ class Graph:
 
 def read_graphs(bundle_dir: Path, compiled: CompileResult) -> list[Graph]:
     """The ctx-bins' graphs in genie_config.json order, with their tensor tables."""
-    from stages.report import sha256_file
+    from stages.core.report import sha256_file
     from stages.runtimes.genie.files import GENIE_CONFIG
 
     cfg = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
@@ -261,7 +261,7 @@ class HtpEngine:
         import onnx
         from onnx import helper
 
-        from stages.encoding import ONNX_ELEM_TYPE
+        from stages.model.encoding import ONNX_ELEM_TYPE
 
         def value(t: Tensor):
             return helper.make_tensor_value_info(t.name, ONNX_ELEM_TYPE[t.encoding.datatype], list(t.shape))
@@ -346,8 +346,8 @@ class CpuEngine:
         import onnx
         import onnxruntime as ort
 
-        from stages.encoding import prepare_io
-        from stages.graphs import qdq_file_name
+        from stages.model.encoding import prepare_io
+        from stages.model.graphs import qdq_file_name
 
         if graph.name not in self._sessions:
             path = self.quantized_dir / qdq_file_name(graph.name)
@@ -378,7 +378,7 @@ def pick_ar(ars: list[int], n_inputs: int) -> int:
 # ---- RoPE ----
 def rope_table(entry: dict[str, Any], positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin (T, rope-dim) for one `positional-encoding` entry."""
-    from stages.runner import inverse_frequencies
+    from stages.quant.runner import inverse_frequencies
 
     width = int(entry["rope-dim"])
     scaling = entry.get("rope-scaling") or {}
@@ -712,7 +712,7 @@ class GenieEmulator:
 
     # -- state --
     def reset(self) -> None:
-        from stages.runner import Sampling
+        from stages.quant.runner import Sampling
 
         s = {**SAMPLER_DEFAULTS, **self.sampler}
         # BasicSampler::reset reseeds; -1 seeds from the clock.

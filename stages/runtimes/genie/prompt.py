@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stages.chat import render_chat
+from stages.model.chat import render_chat
 from stages.runtimes.genie.files import GENIE_CONFIG, TOKENIZER_CONFIG
 
 

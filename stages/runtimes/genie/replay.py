@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from stages.contract import LOGITS
+from stages.model.contract import LOGITS
 from stages.runtimes.genie.emulator import GenieEmulator, Graph, HtpEngine, RecordedCall
 
 # A binary that computes what its compiler input computes differs from it by the compiler's own
@@ -141,7 +141,7 @@ def replay(
 ) -> ReplayResult:
     """Run the recorded calls through the ctx-bins on the HTP emulation (required ones always, the
     others while budget_s lasts) and compare every output with the CPU engine's."""
-    from stages.progress import tqdm
+    from stages.core.progress import tqdm
 
     htp = HtpEngine(bundle_dir, *emulator.htp_device())
     calls: list[dict[str, Any]] = []

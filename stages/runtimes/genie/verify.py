@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from stages.config import PipelineConfig
-from stages.contract import GENIE_LUT_SECTION
-from stages.encoding import BITS, lut_file_bytes
-from stages.graphs import qdq_file_name
-from stages.pipeline import output_dir
-from stages.report import REPORT_NAME, STAMP_DIR, StageJob, read_report
-from stages.results import CompileResult, read_result
+from stages.core.config import PipelineConfig
+from stages.core.pipeline import output_dir
+from stages.core.report import REPORT_NAME, STAMP_DIR, StageJob, read_report
+from stages.model.contract import GENIE_LUT_SECTION
+from stages.model.encoding import BITS, lut_file_bytes
+from stages.model.graphs import qdq_file_name
+from stages.planning.results import CompileResult, read_result
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.bundle import check_manifest, config_vs_graphs
 from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST, TOKENIZER
@@ -164,8 +164,8 @@ def config_vs_sources(
 def bundle_runner(bundle_dir: Path, export_dir: Path, quantized_dir: Path):
     """The host runner on the bundle's own LUT files (quantization from its genie_config.json) and the
     quantized graphs its binaries were compiled from."""
-    from stages.contract import LutSpec
-    from stages.runner import HostRunner, LutEmbedder
+    from stages.model.contract import LutSpec
+    from stages.quant.runner import HostRunner, LutEmbedder
 
     runner = HostRunner.from_export(export_dir, luts=True, graph_dir=quantized_dir)
     genie = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
@@ -283,7 +283,7 @@ def heldout_sample(
 ) -> list[int]:
     """`length` tokens of the held-out text (a BOS, then text), or a VerifyError that says what is
     missing and how to get it or switch the check off."""
-    from stages.calibration import CalibrationError, load_texts, token_samples
+    from stages.quant.calibration import CalibrationError, load_texts, token_samples
 
     try:
         return token_samples(load_texts(cfg, "heldout", None, workdir), encode, bos, 1, length)[0]
@@ -319,7 +319,7 @@ def _prompt_ids(emulator, bundle_dir: Path, checkpoint_dir: Path, prompt: str) -
     """The prompt's ids as the phone gets them: `make run`'s text from the bundle's chat template,
     then what Genie does with it (bos-token, the tokenizer tokenizer.path names), checked equal to
     what the checkpoint's own template gives transformers."""
-    from stages.chat import ChatTokenizer, render_chat
+    from stages.model.chat import ChatTokenizer, render_chat
     from stages.runtimes.genie.prompt import query_text
 
     prompt_ids = emulator.query_ids(query_text(bundle_dir, prompt))
@@ -388,7 +388,7 @@ def _transformers_answers(
     is compared on the same tokens at every position), and on the held-out sample past its first
     `head` tokens (the prefill the chains take as one call): (answer, logits, held-out logits, head).
     The float model is dropped before returning (E2B: several GB)."""
-    from stages.reference import greedy_tokens, logits_of, transformers_model
+    from stages.model.reference import greedy_tokens, logits_of, transformers_model
 
     model = transformers_model(checkpoint_dir)
     theirs = greedy_tokens(model, prompt_ids, max_new_tokens, stop_ids)
@@ -414,8 +414,8 @@ def run_verify(
     """The whole stage; returns its report. A broken bundle, or one below the thresholds, raises
     VerifyError. engine: htp, replay or cpu (None: the config's verify_engine). heldout_check=False
     (VERIFY_HELDOUT=off) skips the held-out text, and the report says so."""
-    from stages.chat import ChatTokenizer
-    from stages.checkpoint import Checkpoint, stop_token_ids
+    from stages.model.chat import ChatTokenizer
+    from stages.model.checkpoint import Checkpoint, stop_token_ids
     from stages.runtimes.genie.bundle import GENIE_VALIDATOR
     from stages.runtimes.genie.emulator import GENIE_BEHAVIOURS, EmulatorError, GenieEmulator
     from stages.runtimes.genie.replay import ReplayPlan, replay, replay_budget_s

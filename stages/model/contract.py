@@ -1,0 +1,308 @@
+"""The graph I/O contract: every tensor name, shape and dtype of every exported graph, written once.
+
+Export builds its graphs from these specs, the export report records them, and the host runner,
+quantize overrides, compile input specs and the Genie config read them from that report. Names and
+layouts follow the Genie Gemma 4 contract (qai-hub-models 0.65 templates/gemma4, docs/facts.md §3):
+
+- `inputs_embeds` (1,T,H) and `per_layer_inputs` (1,T,L,P) come from the host LUTs (first part).
+- `attention_mask` (1,1,T,C) and `swa_attention_mask` (1,1,T,W+T) are additive: 0 attends,
+  ATTENTION_MASK_MIN masks. Columns are the cache slots, then the T new tokens.
+- `position_ids_cos/sin` (1,1,T,Dg/2) hold the global "proportional" RoPE table (only the first
+  partial_rotary_factor of the frequencies rotate), `swa_position_ids_cos/sin` (1,1,T,Ds/2).
+- KV cache per owner layer i and KV head h: `{past|swa}_key_{i}_h{h}_in` (1,1,D,S) and
+  `{past|swa}_value_{i}_h{h}_in` (1,1,S,D); the `_out` tensors hold only the T new entries.
+  S = C-T for full layers, W for sliding ones (Genie's sliding-window cache group).
+
+Tensors that cross part boundaries are named so that the next part's input has the same name as the
+previous part's output (Genie wires graphs by tensor name), and start with `xfer_` (LINK_PREFIX: never
+a cache-group prefix, and sorting after both): `xfer_hidden_states_layer{j}` (the residual stream
+entering layer j), `xfer_per_layer_embeds` (the combined per-layer embeddings, made in the first
+part), and `xfer_kvshare_key_{d}`/`xfer_kvshare_value_{d}` (a donor layer's whole attention K/V for
+the KV-shared layers of later parts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from stages.core.config import PipelineConfig
+from stages.model.geometry import FULL, SLIDING, Geometry
+from stages.model.graphs import GraphKind, calibration_kind, graph_kinds, graph_name, part_name
+
+# Masked positions get this additive value (qai-hub-models' Gemma 4 clips its masks to -100 as well);
+# a quantized mask then spans [-100, 0] instead of the whole float range.
+ATTENTION_MASK_MIN = -100.0
+CACHE_PREFIX = {FULL: "past", SLIDING: "swa"}
+MASK_NAME = {FULL: "attention_mask", SLIDING: "swa_attention_mask"}
+ROPE_PREFIX = {FULL: "", SLIDING: "swa_"}  # `{prefix}position_ids_{cos|sin}`
+FLOAT32 = "float32"
+
+
+class ContractError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = FLOAT32
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> TensorSpec:
+        return TensorSpec(d["name"], tuple(d["shape"]), d["dtype"])
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    name: str
+    part: int  # 1-based
+    num_parts: int
+    role: str  # prefill | decode | calibration (a twin, stages.model.graphs.calibration_kind)
+    ar: int
+    context: int
+    layers: tuple[int, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def part_name(self) -> str:
+        return part_name(self.part, self.num_parts)
+
+    @property
+    def is_first(self) -> bool:
+        return self.part == 1
+
+    @property
+    def is_last(self) -> bool:
+        return self.part == self.num_parts
+
+    def input(self, name: str) -> TensorSpec:
+        return next(t for t in self.inputs if t.name == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["layers"] = list(self.layers)
+        d["inputs"] = [t.to_dict() for t in self.inputs]
+        d["outputs"] = [t.to_dict() for t in self.outputs]
+        return d
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> GraphSpec:
+        return GraphSpec(
+            name=d["name"],
+            part=d["part"],
+            num_parts=d["num_parts"],
+            role=d["role"],
+            ar=d["ar"],
+            context=d["context"],
+            layers=tuple(d["layers"]),
+            inputs=tuple(TensorSpec.from_dict(t) for t in d["inputs"]),
+            outputs=tuple(TensorSpec.from_dict(t) for t in d["outputs"]),
+        )
+
+
+# ---- names ----
+# Tensors that cross part boundaries start with this. Genie (QAIRT 2.51, GraphVariant's type detection)
+# reads a graph's outputs in name order and stops looking for KV$ outputs at the first other tensor:
+# a part whose hand-over outputs sort before `past_*`/`swa_*` is taken for a KV_SHARE_NO_KV_OUTPUT
+# graph, its cache groups get no context size ("Missing context size for key input prefix") and every
+# multi-chunk prompt fails. "xfer_" sorts after both cache prefixes (docs/facts.md §3).
+LINK_PREFIX = "xfer_"
+
+
+def cache_name(layer: int, attention: str, which: str, head: int, direction: str) -> str:
+    """`past_key_4_h0_in`: which is key|value, direction in|out."""
+    return f"{CACHE_PREFIX[attention]}_{which}_{layer}_h{head}_{direction}"
+
+
+HIDDEN_PREFIX = f"{LINK_PREFIX}hidden_states_layer"
+
+
+def hidden_name(layer: int) -> str:
+    return f"{HIDDEN_PREFIX}{layer}"
+
+
+def kvshare_name(donor: int, which: str) -> str:
+    return f"{KVSHARE_PREFIX}{which}_{donor}"
+
+
+def rope_name(attention: str, which: str) -> str:
+    """`position_ids_cos`, `swa_position_ids_sin`: which is cos|sin."""
+    return f"{ROPE_PREFIX[attention]}position_ids_{which}"
+
+
+PER_LAYER_EMBEDS = f"{LINK_PREFIX}per_layer_embeds"
+INPUTS_EMBEDS = "inputs_embeds"
+PER_LAYER_INPUTS = "per_layer_inputs"
+LOGITS = "logits"
+# Graph inputs Genie fills from a host LUT, and the export report's key of that LUT.
+LUT_INPUTS = {INPUTS_EMBEDS: "embedding", PER_LAYER_INPUTS: "per_layer_embedding"}
+# ---- Genie's side of the contract ----
+# The genie_config.json dialog section of each LUT (by the export report's key).
+GENIE_LUT_SECTION = {"embedding": "embedding", "per_layer_embedding": "perlayer-embedding"}
+# LUT entry datatypes Genie reads, by bits (4: two entries per byte; stages.model.encoding.LutFile).
+GENIE_LUT_DATATYPES = {4: "ufixed4", 8: "ufixed8", 16: "ufixed16"}
+# Genie reads a LUT's size as uint32: the largest LUT file it can take.
+GENIE_LUT_LIMIT_BYTES = 2**32 - 1
+
+
+def constructed_input_ranges() -> dict[str, tuple[float, float]]:
+    """The value range of each input Genie computes itself (masks, RoPE tables), known by construction.
+
+    Quantize gives these one fixed range, so every graph (prefill and decode, every part) reads them
+    with one encoding: Genie keeps one buffer per tensor name and refuses to load graphs whose
+    encodings of a name differ."""
+    ranges = {MASK_NAME[kind]: (ATTENTION_MASK_MIN, 0.0) for kind in MASK_NAME}
+    for kind in ROPE_PREFIX:
+        ranges |= {rope_name(kind, f): (-1.0, 1.0) for f in ("cos", "sin")}
+    return ranges
+
+
+KVSHARE_PREFIX = f"{LINK_PREFIX}kvshare_"
+
+
+@dataclass(frozen=True)
+class LutSpec:
+    """One Genie LUT file: rows of `size` unsigned `bits`-bit values; real = (q + offset) * scale.
+    As the export report records it (`ExportResult.luts`), `path` is under exported/."""
+
+    path: str
+    rows: int
+    size: int
+    bits: int
+    scale: float
+    offset: int
+
+    @property
+    def datatype(self) -> str:
+        return f"ufixed{self.bits}"
+
+
+# ---- shapes ----
+def cache_slots(geo: Geometry, attention: str, context: int, ar: int) -> int:
+    """Past KV slots a graph of AR tokens sees: the rest of the context, or the sliding window."""
+    return context - ar if attention == FULL else geo.sliding_window
+
+
+def check_fits(geo: Geometry, cfg: PipelineConfig) -> None:
+    """The contract's assumptions about the config, checked before any graph is built."""
+    uses_sliding = any(layer.attention == SLIDING for layer in geo.layers)
+    for kind in _exported_kinds(cfg):
+        if uses_sliding and cfg.max_context - kind.ar < geo.sliding_window:
+            raise ContractError(
+                f"max_context ({cfg.max_context}) minus the {kind.role} AR ({kind.ar}) is smaller than the "
+                f"sliding window ({geo.sliding_window}); raise max_context to at least "
+                f"{kind.ar + geo.sliding_window}"
+            )
+
+
+def _exported_kinds(cfg: PipelineConfig) -> list[GraphKind]:
+    twin = calibration_kind(cfg)
+    return graph_kinds(cfg) + ([twin] if twin else [])
+
+
+def graph_specs(
+    geo: Geometry, cfg: PipelineConfig, parts: list[range], calibration: bool = False
+) -> list[GraphSpec]:
+    """Every graph of the job: for each graph kind (prefill, decode), one per part; with `calibration`
+    also the calibration-only twins (what the export stage writes)."""
+    check_fits(geo, cfg)
+    return [
+        part_graph_spec(geo, kind, cfg.max_context, parts, p)
+        for kind in (_exported_kinds(cfg) if calibration else graph_kinds(cfg))
+        for p in range(len(parts))
+    ]
+
+
+def part_graph_spec(
+    geo: Geometry, kind: GraphKind, context: int, parts: list[range], index: int
+) -> GraphSpec:
+    layers = parts[index]
+    n_parts = len(parts)
+    t = kind.ar
+    hidden, n_kv = geo.hidden_size, geo.num_kv_heads
+    g_hd, s_hd = geo.config["global_head_dim"], geo.config["head_dim"]
+    kinds_here = {geo.layers[i].attention for i in layers}
+    later = range(layers.stop, geo.num_layers)
+
+    inputs: list[TensorSpec] = []
+    outputs: list[TensorSpec] = []
+    if index == 0:
+        inputs.append(TensorSpec(INPUTS_EMBEDS, (1, t, hidden)))
+        if geo.ple_dim:
+            inputs.append(TensorSpec(PER_LAYER_INPUTS, (1, t, geo.num_layers, geo.ple_dim)))
+    else:
+        inputs.append(TensorSpec(hidden_name(layers.start), (1, t, hidden)))
+        if geo.ple_dim:
+            inputs.append(TensorSpec(PER_LAYER_EMBEDS, (1, t, geo.num_layers, geo.ple_dim)))
+    if FULL in kinds_here:
+        inputs.append(TensorSpec(MASK_NAME[FULL], (1, 1, t, cache_slots(geo, FULL, context, t) + t)))
+    if SLIDING in kinds_here:
+        inputs.append(TensorSpec(MASK_NAME[SLIDING], (1, 1, t, cache_slots(geo, SLIDING, context, t) + t)))
+    if FULL in kinds_here:
+        inputs += [TensorSpec(rope_name(FULL, f), (1, 1, t, g_hd // 2)) for f in ("cos", "sin")]
+    if SLIDING in kinds_here:
+        inputs += [TensorSpec(rope_name(SLIDING, f), (1, 1, t, s_hd // 2)) for f in ("cos", "sin")]
+
+    def kvshare(donor: int) -> list[TensorSpec]:
+        d = geo.layers[donor]
+        s = cache_slots(geo, d.attention, context, t) + t
+        return [
+            TensorSpec(kvshare_name(donor, "key"), (1, n_kv, d.head_dim, s)),
+            TensorSpec(kvshare_name(donor, "value"), (1, n_kv, s, d.head_dim)),
+        ]
+
+    # Donors of this part's shared layers that live in earlier parts arrive as inputs.
+    for donor in sorted({geo.layers[i].kv_donor for i in layers if not geo.layers[i].owns_kv}):
+        if donor < layers.start:
+            inputs += kvshare(donor)
+    for i in layers:
+        layer = geo.layers[i]
+        if layer.owns_kv:
+            s = cache_slots(geo, layer.attention, context, t)
+            for h in range(n_kv):
+                inputs.append(
+                    TensorSpec(cache_name(i, layer.attention, "key", h, "in"), (1, 1, layer.head_dim, s))
+                )
+                inputs.append(
+                    TensorSpec(cache_name(i, layer.attention, "value", h, "in"), (1, 1, s, layer.head_dim))
+                )
+
+    if index == n_parts - 1:
+        outputs.append(TensorSpec(LOGITS, (1, t, geo.vocab_size)))
+    else:
+        outputs.append(TensorSpec(hidden_name(layers.stop), (1, t, hidden)))
+        if index == 0 and geo.ple_dim:
+            outputs.append(TensorSpec(PER_LAYER_EMBEDS, (1, t, geo.num_layers, geo.ple_dim)))
+    # A donor's K/V leaves the part that made it once; every later part that needs it reads that one
+    # tensor by name, so nothing is passed through.
+    for donor in sorted({geo.layers[i].kv_donor for i in later if not geo.layers[i].owns_kv}):
+        if donor in layers:
+            outputs += kvshare(donor)
+    for i in layers:
+        layer = geo.layers[i]
+        if layer.owns_kv:
+            for h in range(n_kv):
+                outputs.append(
+                    TensorSpec(cache_name(i, layer.attention, "key", h, "out"), (1, 1, layer.head_dim, t))
+                )
+                outputs.append(
+                    TensorSpec(cache_name(i, layer.attention, "value", h, "out"), (1, 1, t, layer.head_dim))
+                )
+
+    return GraphSpec(
+        name=graph_name(kind, index + 1, n_parts),
+        part=index + 1,
+        num_parts=n_parts,
+        role=kind.role,
+        ar=t,
+        context=context,
+        layers=tuple(layers),
+        inputs=tuple(inputs),
+        outputs=tuple(outputs),
+    )

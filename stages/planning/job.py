@@ -1,0 +1,88 @@
+"""The job: what one config builds from one checkpoint geometry, worked out once.
+
+`Job.build` derives the parts (decoder layers per shard), the shipped graph kinds, the calibration
+twin, every graph's I/O spec and the context binaries; the export stage builds it and records it in
+its report, quantize hands it on in its own, and the later stages read it back typed
+(`ExportResult.job`, `QuantizeResult.job`) instead of deriving any of it again from the config.
+
+Stdlib only (with the stdlib-only core it imports): the tools image reads reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from stages.core.config import PipelineConfig
+from stages.core.soc import Soc
+from stages.model.contract import GraphSpec, graph_specs
+from stages.model.geometry import Geometry
+from stages.model.graphs import (
+    CALIBRATION_ROLE,
+    Binary,
+    GraphKind,
+    binary_layout,
+    calibration_kind,
+    graph_kinds,
+    lay_out_binaries,
+)
+
+
+@dataclass(frozen=True)
+class Job:
+    parts: tuple[tuple[int, ...], ...]  # the decoder layers of each part, part 1 first
+    kinds: tuple[GraphKind, ...]  # the shipped graph kinds, prefill first
+    calibration: GraphKind | None  # the calibration-only twin's kind, exported and never shipped
+    specs: tuple[GraphSpec, ...]  # every exported graph, the twins included
+    binaries: tuple[Binary, ...]  # the context binaries, in Genie's ctx-bins order
+
+    @classmethod
+    def build(cls, geo: Geometry, cfg: PipelineConfig) -> Job:
+        """The job of `cfg` on `geo`; raises what the part split and the contract raise."""
+        from stages.planning.fitting import part_layers
+
+        parts = part_layers(geo, cfg)
+        return cls(
+            parts=tuple(tuple(r) for r in parts),
+            kinds=tuple(graph_kinds(cfg)),
+            calibration=calibration_kind(cfg),
+            specs=tuple(graph_specs(geo, cfg, parts, calibration=True)),
+            binaries=tuple(binary_layout(cfg)),
+        )
+
+    def on_soc(self, soc: Soc) -> Job:
+        """The job with its binaries laid out for `soc`: the SoC is a quantize field (export does not
+        depend on it), so quantize lays the binaries out again for its own before handing the job on."""
+        return replace(
+            self, binaries=tuple(lay_out_binaries(self.kinds, len(self.parts), soc.weight_sharing))
+        )
+
+    @property
+    def shipped_specs(self) -> tuple[GraphSpec, ...]:
+        """The graphs that are quantized, compiled and shipped (every kind but the twin)."""
+        return tuple(s for s in self.specs if s.role != CALIBRATION_ROLE)
+
+    @property
+    def shipped_graphs(self) -> tuple[str, ...]:
+        """The shipped graphs' names, in the binaries' order."""
+        return tuple(g for b in self.binaries for g in b.graphs)
+
+    def to_dict(self) -> dict[str, Any]:
+        kind = lambda k: {"role": k.role, "ar": k.ar}  # noqa: E731
+        return {
+            "parts": [list(p) for p in self.parts],
+            "kinds": [kind(k) for k in self.kinds],
+            "calibration": kind(self.calibration) if self.calibration else None,
+            "specs": [s.to_dict() for s in self.specs],
+            "binaries": [{"file": b.file, "part": b.part, "graphs": list(b.graphs)} for b in self.binaries],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Job:
+        return cls(
+            parts=tuple(tuple(p) for p in d["parts"]),
+            kinds=tuple(GraphKind(**k) for k in d["kinds"]),
+            calibration=GraphKind(**d["calibration"]) if d["calibration"] else None,
+            specs=tuple(GraphSpec.from_dict(s) for s in d["specs"]),
+            binaries=tuple(Binary(b["file"], b["part"], tuple(b["graphs"])) for b in d["binaries"]),
+        )
