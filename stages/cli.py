@@ -222,7 +222,7 @@ def bundle(obj: Context, check_manifest_path: Path | None) -> None:
 
 def _echo_bundle_limits(obj: Context) -> None:
     """Which of the SoC table's memory limits the bundle just built meets (docs/facts.md §2)."""
-    from stages.planning.fitting import built_limits, make_plan
+    from stages.planning.fitting import built_limits, plan_config
     from stages.planning.plan import render_limits
     from stages.planning.results import CompileResult, ExportResult, require_result
 
@@ -231,7 +231,7 @@ def _echo_bundle_limits(obj: Context) -> None:
     exported = require_result(obj.workdir, "export", ExportResult, UserError)
     geo = load_geometry(obj.checkpoint_dir() / "config.json")
     luts = sum((exported.folder / lut.path).stat().st_size for lut in exported.luts.values())
-    checks = built_limits(make_plan(geo, cfg), cfg, compiled.binaries, luts)
+    checks = built_limits(plan_config(geo, cfg), cfg, compiled.binaries, luts)
     click.echo(f"Limits of {cfg.soc} against this bundle:")
     click.echo("\n".join(render_limits(checks)))
 
@@ -319,11 +319,11 @@ def verify(
 @click.pass_obj
 def bench_report(obj: Context, output: Path, command_line: str) -> None:
     """Collect the stage reports of a bench run under WORKDIR into OUTPUT/<date>-<machine>.{json,md}."""
-    from stages.planning.fitting import make_plan
+    from stages.planning.fitting import plan_config
     from stages.tools.bench import collect, write_results
 
     geo = resolve_geometry(obj.config.model, obj.checkpoint_dir())
-    plan = {"config": obj.config.to_dict(), **make_plan(geo, obj.config).to_dict()} if geo else None
+    plan = {"config": obj.config.to_dict(), **plan_config(geo, obj.config).to_dict()} if geo else None
     path, md = write_results(collect(obj.config, obj.workdir, plan), output, command_line)
     click.echo(md.read_text())
     click.echo(f"written: {path}, {md}")
@@ -431,12 +431,12 @@ def _expected_time(cfg, total_params: int) -> str:
 def expected_time(obj: Context, unless_bundled: bool) -> None:
     """How long each stage of this config should take on this machine, and its peak memory (from the
     closest committed bench run, scaled to this machine's cores); `make bundle` prints it first."""
-    from stages.planning.fitting import make_plan
+    from stages.planning.fitting import plan_config
 
     if unless_bundled and read_report(output_dir(obj.workdir, "bundle")) is not None:
         return
     geo = _plan_geometry(obj, None)
-    click.echo(_expected_time(obj.config, make_plan(geo, obj.config).params["total"]))
+    click.echo(_expected_time(obj.config, plan_config(geo, obj.config).params["total"]))
 
 
 @main.command()
@@ -455,12 +455,12 @@ def expected_time(obj: Context, unless_bundled: bool) -> None:
 def plan(obj: Context, checkpoint_config: Path | None, as_json: bool, output: Path | None) -> None:
     """Parameters, bytes per part and graph, LUTs, KV cache, device memory against the SoC's limits,
     the memory and compute rooflines, the layouts side by side and the layout rule."""
-    from stages.planning.fitting import LAYOUT_RULE, LayoutRuleError, make_layouts, make_plan, rule_layout
+    from stages.planning.fitting import LAYOUT_RULE, LayoutRuleError, make_layouts, plan_config, rule_layout
     from stages.planning.plan import render_plan
 
     cfg = obj.config
     geo = _plan_geometry(obj, checkpoint_config)
-    result = make_plan(geo, cfg)
+    result = plan_config(geo, cfg)
     layouts = make_layouts(geo, cfg)
     refused = get_runtime(cfg.runtime).layout_problems(cfg, geo)
     if refused:

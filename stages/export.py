@@ -1,8 +1,8 @@
 """The export stage: a downloaded checkpoint -> static-shape ONNX part graphs + host LUTs in exported/.
 
-For each part (layers balanced by weight bytes, `stages.planning.fitting.part_layers`, the same split the plan
-prices) the part's weights are read from the memory-mapped safetensors as float32, every graph kind
-(prefill AR-N, decode AR-1, and the calibration-only twin of the prefill kind at `calibration_ar`,
+For each part of the job (layers balanced by weight bytes, `stages.planning.job.part_layers`; the plan
+prices the same job) the part's weights are read from the memory-mapped safetensors as float32, every
+graph kind (prefill AR-N, decode AR-1, and the calibration-only twin of the prefill kind at `calibration_ar`,
 `stages.model.graphs.calibration_kind`) is exported with torch.onnx (dynamo, opset 23: fused RMSNormalization
 and Gelu), checked against the torch module with onnxruntime, and the weights are dropped before the
 next part: at most one part's weights are ever held in float32.
@@ -213,8 +213,9 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     refused = get_runtime(cfg.runtime).layout_problems(cfg, geo)
     if refused:
         raise ExportError(refused[0])
-    # The parts are cut here, so a part the compiler would refuse is refused before anything is built.
-    too_big = over_context_limit(geo, cfg)
+    # The job is priced as built, so a part the compiler would refuse is refused before anything is.
+    plan = make_plan(job, geo, cfg)
+    too_big = over_context_limit(geo, cfg, plan)
     if too_big:
         raise ExportError(too_big)
     weight_files = sorted(set(ckpt.files.values()))
@@ -226,7 +227,6 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     from stages.model.decoder import matmul_layout, part_weight_names
 
     # Each graph holds its part's weights in float32 (E2B: 18.2 GB of graphs + 3.2 GB of LUTs).
-    plan = make_plan(geo, cfg)
     need = 4 * sum(p.params for p in plan.parts) * len(specs) // len(parts) + sum(plan.luts.values())
     with stage.output(inputs, need) as run:
         graphs: list[dict[str, Any]] = []

@@ -142,13 +142,6 @@ PER_LAYER_INPUTS = "per_layer_inputs"
 LOGITS = "logits"
 # Graph inputs Genie fills from a host LUT, and the export report's key of that LUT.
 LUT_INPUTS = {INPUTS_EMBEDS: "embedding", PER_LAYER_INPUTS: "per_layer_embedding"}
-# ---- Genie's side of the contract ----
-# The genie_config.json dialog section of each LUT (by the export report's key).
-GENIE_LUT_SECTION = {"embedding": "embedding", "per_layer_embedding": "perlayer-embedding"}
-# LUT entry datatypes Genie reads, by bits (4: two entries per byte; stages.model.encoding.LutFile).
-GENIE_LUT_DATATYPES = {4: "ufixed4", 8: "ufixed8", 16: "ufixed16"}
-# Genie reads a LUT's size as uint32: the largest LUT file it can take.
-GENIE_LUT_LIMIT_BYTES = 2**32 - 1
 
 
 def constructed_input_ranges() -> dict[str, tuple[float, float]]:

@@ -1,5 +1,5 @@
 """What a pipeline config will produce, priced before anything runs: the model the stages fit against
-(export cuts its parts with `part_layers` and refuses what `over_context_limit` names) and `g4v69 plan`
+(export builds a `Job` and refuses what `over_context_limit` names) and `g4v69 plan`
 reports (stages/planning/plan.py).
 
 Counts come from the model geometry (every weight tensor), bytes from the quantization scheme each kind
@@ -30,31 +30,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stages.core.config import PipelineConfig
-from stages.core.precision import (
-    DECODER_ROLE,
-    LM_HEAD_ROLE,
-    NORM_ROLE,
-    PLE_ROLE,
-    WeightScheme,
-    usable_precisions,
-)
+from stages.core.precision import usable_precisions
 from stages.core.soc import GIB, MIB
-from stages.model.contract import GENIE_LUT_LIMIT_BYTES
-from stages.model.geometry import EMBEDDING, FULL, LINEAR, NORM, PLE, Geometry, Tensor
-from stages.model.graphs import (
-    GraphKind,
-    binary_layout,
-    graph_kinds,
-    graph_name,
-    part_name,
-    partition_layers,
-    past_len,
-)
+from stages.model.geometry import FULL, LINEAR, Geometry, Tensor
+from stages.model.graphs import GraphKind, graph_name, part_name, past_len
+from stages.planning.job import Job, part_extras, tensor_bytes, weight_scheme
 
-# Genie reads LUT sizes as uint32.
+# The token embedding LUT export writes: ufixed16 rows (stages/export.py).
 EMBEDDING_LUT_BITS = 16
-# A geometry tensor's kind -> the role whose storage rule it follows (the embedding is the tied lm_head).
-KIND_ROLES = {LINEAR: DECODER_ROLE, EMBEDDING: LM_HEAD_ROLE, PLE: PLE_ROLE, NORM: NORM_ROLE}
 
 # How Genie holds the LUT files, measured on QAIRT 2.51's x86 libGenie.so (strace of GenieDialog_create
 # and a query on the tiny bundle): each LUT file is memory-mapped whole, read-only (mmap MAP_PRIVATE of
@@ -221,22 +204,6 @@ class Plan:
         return all(c.meets for c in self.limits if c.phone_ram_gib in (0, phone_ram_gib))
 
 
-def weight_scheme(t: Tensor, cfg: PipelineConfig) -> WeightScheme:
-    """How a weight is stored in a context binary."""
-    if t.kind not in KIND_ROLES:
-        raise ValueError(f"{t.name} ({t.kind}) does not live in a graph")
-    return cfg.weight_scheme(KIND_ROLES[t.kind])
-
-
-def tensor_bits(t: Tensor, cfg: PipelineConfig) -> int:
-    """Bits per element of a weight as it will sit in a context binary."""
-    return weight_scheme(t, cfg).bits
-
-
-def tensor_bytes(tensors: list[Tensor], cfg: PipelineConfig) -> int:
-    return sum(weight_scheme(t, cfg).stored_bytes(t.numel) for t in tensors)
-
-
 def kv_slots(geo: Geometry, attention: str, cfg: PipelineConfig, windowed: bool = True) -> int:
     if attention == FULL or not windowed:
         return cfg.max_context
@@ -250,22 +217,6 @@ def kv_cache_bytes(geo: Geometry, cfg: PipelineConfig, windowed: bool = True) ->
             per_slot = 2 * geo.num_kv_heads * layer.head_dim * cfg.kv_cache_bits // 8
             total += per_slot * kv_slots(geo, layer.attention, cfg, windowed)
     return total
-
-
-def part_extras(geo: Geometry) -> tuple[list[Tensor], list[Tensor]]:
-    """Weights outside the decoder layers: the PLE projection rides with the first part, the final
-    norm and the lm_head (the tied embedding, an explicit weight in the graph) with the last."""
-    return list(geo.ple_projection), [geo.final_norm, geo.embedding]
-
-
-def part_layers(geo: Geometry, cfg: PipelineConfig) -> list[range]:
-    """The decoder layers of each part, balanced by weight bytes at the config's precision.
-
-    The export cuts its graphs here too, so the plan prices exactly what gets built.
-    """
-    head, tail = part_extras(geo)
-    layer_bytes = [tensor_bytes(list(layer.tensors), cfg) for layer in geo.layers]
-    return partition_layers(layer_bytes, cfg.num_shards, tensor_bytes(head, cfg), tensor_bytes(tail, cfg))
 
 
 def graph_allocation(
@@ -438,12 +389,12 @@ def _part_plans(geo: Geometry, cfg: PipelineConfig, bounds: list[range]) -> tupl
 
 
 def _graph_plans(
-    geo: Geometry, cfg: PipelineConfig, parts: list[PartPlan], bounds: list[range]
+    job: Job, geo: Geometry, cfg: PipelineConfig, parts: list[PartPlan], bounds: list[range]
 ) -> tuple[list[GraphPlan], dict[str, Allocation]]:
     """Every shipped graph with its estimated allocation, by graph name."""
     graphs: list[GraphPlan] = []
     allocations: dict[str, Allocation] = {}
-    for kind in graph_kinds(cfg):
+    for kind in job.kinds:
         for i, (part, layer_range) in enumerate(zip(parts, bounds, strict=True), start=1):
             kv_inputs = sum(2 * geo.num_kv_heads for li in layer_range if geo.layers[li].owns_kv)
             name = graph_name(kind, i, len(parts))
@@ -464,14 +415,12 @@ def _graph_plans(
     return graphs, allocations
 
 
-def _binary_plans(
-    cfg: PipelineConfig, parts: list[PartPlan], allocations: dict[str, Allocation]
-) -> list[BinaryPlan]:
+def _binary_plans(job: Job, parts: list[PartPlan], allocations: dict[str, Allocation]) -> list[BinaryPlan]:
     """The context binaries, each with its weights and estimated allocation. A weight-shared binary
     holds its part's weights once; its graphs never run at the same time, so the largest one's
     activations bound the rest."""
     binaries = []
-    for b in binary_layout(cfg):
+    for b in job.binaries:
         allocs = [allocations[g] for g in b.graphs]
         weights = parts[b.part - 1].bytes
         binaries.append(
@@ -497,7 +446,9 @@ def _plan_warnings(
     cfg: PipelineConfig, extra_separate: int, luts: dict[str, int], limits: list[LimitCheck]
 ) -> list[str]:
     """What the plan warns about: weights stored twice without weight sharing (`extra_separate`
-    bytes), a LUT over Genie's size limit, every limit not met."""
+    bytes), a LUT the config's runtime cannot load (`Runtime.lut_problems`), every limit not met."""
+    from stages.runtimes import get_runtime
+
     soc = cfg.soc_info
     warnings = []
     if cfg.separate_prefill_and_decode and not soc.weight_sharing:
@@ -506,12 +457,7 @@ def _plan_warnings(
             f"carry their own weights ({fmt_gib(extra_separate)} more on the device); set "
             f"PREFILL_AR equal to DECODE_AR to ship one graph per part instead"
         )
-    for name, size in luts.items():
-        if size > GENIE_LUT_LIMIT_BYTES:
-            warnings.append(
-                f"{name} LUT is {fmt_gib(size)}, over Genie's 4 GiB LUT limit (uint32 sizes); "
-                "use ple_lut_bits=8"
-            )
+    warnings += get_runtime(cfg.runtime).lut_problems(luts)
     warnings += [
         f"over the {c.limit}: {fmt_gib(c.needed_bytes)} > {fmt_gib(c.limit_bytes)}"
         for c in limits
@@ -520,14 +466,21 @@ def _plan_warnings(
     return warnings
 
 
-def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
-    """The config priced on this geometry: its parts, graphs and binaries (`_part_plans`,
-    `_graph_plans`, `_binary_plans`), memory, each graph kind's call cost, the limits and warnings."""
+def plan_config(geo: Geometry, cfg: PipelineConfig) -> Plan:
+    """The job `cfg` builds on this geometry, priced: what `make plan` and the checks before a run
+    price (export prices the job it builds and records, `make_plan`)."""
+    return make_plan(Job.build(geo, cfg), geo, cfg)
+
+
+def make_plan(job: Job, geo: Geometry, cfg: PipelineConfig) -> Plan:
+    """A job priced on its geometry at its config's precision and SoC: its parts, graphs and binaries
+    (`_part_plans`, `_graph_plans`, `_binary_plans`), memory, each graph kind's call cost, the limits
+    and warnings. Nothing of the job is derived again here: its parts, kinds and binaries are read."""
     soc = cfg.soc_info
-    bounds = part_layers(geo, cfg)
+    bounds = job.part_ranges
     parts, four_bit = _part_plans(geo, cfg, bounds)
-    graphs, allocations = _graph_plans(geo, cfg, parts, bounds)
-    binaries = _binary_plans(cfg, parts, allocations)
+    graphs, allocations = _graph_plans(job, geo, cfg, parts, bounds)
+    binaries = _binary_plans(job, parts, allocations)
     luts = _lut_bytes(geo, cfg)
 
     kv = kv_cache_bytes(geo, cfg)
@@ -553,7 +506,7 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
         ]
         return call_cost(geo, cfg, kind, in_graphs, allocs)
 
-    calls = [calls_at(kind) for kind in graph_kinds(cfg)]
+    calls = [calls_at(kind) for kind in job.kinds]
     decode = min(calls, key=lambda c: c.ar)
     prefill = max(calls, key=lambda c: c.ar)
     by_ar = [calls_at(GraphKind("any", ar)) for ar in LAYOUT_ARS if ar < cfg.max_context]
@@ -609,11 +562,13 @@ def make_plan(geo: Geometry, cfg: PipelineConfig) -> Plan:
     )
 
 
-def over_context_limit(geo: Geometry, cfg: PipelineConfig) -> str:
+def over_context_limit(geo: Geometry, cfg: PipelineConfig, plan: Plan | None = None) -> str:
     """Empty if every binary's estimated allocation is within the SoC's per-context limit; otherwise
-    one line naming the largest binary and the smallest num_shards whose parts all fit."""
+    one line naming the largest binary and the smallest num_shards whose parts all fit. `plan`: the
+    config's own, where the caller has priced it already."""
     limit = cfg.soc_info.limits.context_allocation.bytes
-    worst = max(make_plan(geo, cfg).binaries, key=lambda b: b.estimated_allocation)
+    plan = plan or plan_config(geo, cfg)
+    worst = max(plan.binaries, key=lambda b: b.estimated_allocation)
     if worst.estimated_allocation <= limit:
         return ""
     fitting = next(
@@ -622,7 +577,7 @@ def over_context_limit(geo: Geometry, cfg: PipelineConfig) -> str:
             for n in range(cfg.num_shards + 1, geo.num_layers + 1)
             if max(
                 b.estimated_allocation
-                for b in make_plan(geo, dataclasses.replace(cfg, num_shards=n)).binaries
+                for b in plan_config(geo, dataclasses.replace(cfg, num_shards=n)).binaries
             )
             <= limit
         ),
@@ -794,7 +749,8 @@ def quality_rank(cfg: PipelineConfig) -> int:
 def make_layouts(geo: Geometry, cfg: PipelineConfig) -> list[LayoutPlan]:
     out = []
     for variant, how in layout_configs(geo, cfg):
-        plan = make_plan(geo, variant)
+        job = Job.build(geo, variant)
+        plan = make_plan(job, geo, variant)
         phones = [c.phone_ram_gib for c in plan.limits if c.phone_ram_gib]
         decode = min(plan.calls, key=lambda c: c.ar)
         out.append(
@@ -803,7 +759,7 @@ def make_layouts(geo: Geometry, cfg: PipelineConfig) -> list[LayoutPlan]:
                 precision=variant.precision,
                 prefill_ar=variant.prefill_ar,
                 decode_ar=variant.decode_ar,
-                graph_kinds=len(graph_kinds(variant)),
+                graph_kinds=len(job.kinds),
                 binaries_bytes=sum(b.weight_bytes for b in plan.binaries),
                 largest_allocation=max(b.estimated_allocation for b in plan.binaries),
                 mapped_bytes=plan.mapped_bytes,

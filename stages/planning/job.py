@@ -14,9 +14,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stages.core.config import PipelineConfig
+from stages.core.precision import DECODER_ROLE, LM_HEAD_ROLE, NORM_ROLE, PLE_ROLE, WeightScheme
 from stages.core.soc import Soc
 from stages.model.contract import GraphSpec, graph_specs
-from stages.model.geometry import Geometry
+from stages.model.geometry import EMBEDDING, LINEAR, NORM, PLE, Geometry, Tensor
 from stages.model.graphs import (
     CALIBRATION_ROLE,
     Binary,
@@ -25,7 +26,43 @@ from stages.model.graphs import (
     calibration_kind,
     graph_kinds,
     lay_out_binaries,
+    partition_layers,
 )
+
+# A geometry tensor's kind -> the role whose storage rule it follows (the embedding is the tied lm_head).
+KIND_ROLES = {LINEAR: DECODER_ROLE, EMBEDDING: LM_HEAD_ROLE, PLE: PLE_ROLE, NORM: NORM_ROLE}
+
+
+def weight_scheme(t: Tensor, cfg: PipelineConfig) -> WeightScheme:
+    """How a weight is stored in a context binary."""
+    if t.kind not in KIND_ROLES:
+        raise ValueError(f"{t.name} ({t.kind}) does not live in a graph")
+    return cfg.weight_scheme(KIND_ROLES[t.kind])
+
+
+def tensor_bits(t: Tensor, cfg: PipelineConfig) -> int:
+    """Bits per element of a weight as it will sit in a context binary."""
+    return weight_scheme(t, cfg).bits
+
+
+def tensor_bytes(tensors: list[Tensor], cfg: PipelineConfig) -> int:
+    return sum(weight_scheme(t, cfg).stored_bytes(t.numel) for t in tensors)
+
+
+def part_extras(geo: Geometry) -> tuple[list[Tensor], list[Tensor]]:
+    """Weights outside the decoder layers: the PLE projection rides with the first part, the final
+    norm and the lm_head (the tied embedding, an explicit weight in the graph) with the last."""
+    return list(geo.ple_projection), [geo.final_norm, geo.embedding]
+
+
+def part_layers(geo: Geometry, cfg: PipelineConfig) -> list[range]:
+    """The decoder layers of each part, balanced by weight bytes at the config's precision.
+
+    The job's parts: export cuts its graphs here, and the plan prices the same job.
+    """
+    head, tail = part_extras(geo)
+    layer_bytes = [tensor_bytes(list(layer.tensors), cfg) for layer in geo.layers]
+    return partition_layers(layer_bytes, cfg.num_shards, tensor_bytes(head, cfg), tensor_bytes(tail, cfg))
 
 
 @dataclass(frozen=True)
@@ -39,8 +76,6 @@ class Job:
     @classmethod
     def build(cls, geo: Geometry, cfg: PipelineConfig) -> Job:
         """The job of `cfg` on `geo`; raises what the part split and the contract raise."""
-        from stages.planning.fitting import part_layers
-
         parts = part_layers(geo, cfg)
         return cls(
             parts=tuple(tuple(r) for r in parts),
@@ -56,6 +91,11 @@ class Job:
         return replace(
             self, binaries=tuple(lay_out_binaries(self.kinds, len(self.parts), soc.weight_sharing))
         )
+
+    @property
+    def part_ranges(self) -> list[range]:
+        """Each part's decoder layers as a range (parts hold consecutive layers)."""
+        return [range(p[0], p[-1] + 1) for p in self.parts]
 
     @property
     def shipped_specs(self) -> tuple[GraphSpec, ...]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from stages.core.config import PipelineConfig
 from stages.core.pipeline import STAGE_NAMES
 from stages.model.geometry import KNOWN_GEOMETRIES, builtin_geometry
-from stages.planning.fitting import make_plan
+from stages.planning.fitting import plan_config
 
 BENCH_RESULTS = Path(__file__).resolve().parents[2] / "ci" / "bench-results"
 
@@ -167,7 +167,7 @@ def job_needs(cfg: PipelineConfig, bench_dir: Path = BENCH_RESULTS) -> JobNeeds:
             f"no built-in geometry for model {cfg.model!r}: the disk a run needs is priced from it "
             f"(known: {', '.join(KNOWN_GEOMETRIES)})"
         )
-    plan = make_plan(geo, cfg)
+    plan = plan_config(geo, cfg)
     ram, source = measured_peak_rss(bench_dir, plan.params["total"])
     return JobNeeds(plan.job_disk_bytes, ram, source)
 

@@ -41,6 +41,11 @@ class Runtime(Protocol):
         `make plan`'s layout table."""
         ...
 
+    def lut_problems(self, lut_bytes: dict[str, int]) -> list[str]:
+        """Which host LUTs (export report key -> bytes) this runtime cannot load, one line each:
+        `make plan` warns of them before anything is built."""
+        ...
+
     def package(self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
         """The bundle stage: the compiled binaries and what the runtime needs beside them; its report."""
         ...

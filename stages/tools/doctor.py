@@ -43,9 +43,9 @@ def disk_need_bytes(cfg: PipelineConfig, workdir: Path) -> int | None:
     geo = resolve_geometry(cfg.model, output_dir(workdir, "download", cfg.checkpoint_name))
     if geo is None:
         return None
-    from stages.planning.fitting import make_plan
+    from stages.planning.fitting import plan_config
 
-    return make_plan(geo, cfg).job_disk_bytes
+    return plan_config(geo, cfg).job_disk_bytes
 
 
 def run_checks(cfg: PipelineConfig, workdir: Path) -> list[Check]:

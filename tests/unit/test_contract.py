@@ -7,7 +7,8 @@ import pytest
 from stages.core.config import load_config
 from stages.model.contract import ContractError, graph_specs
 from stages.model.geometry import TINY_TEXT_CONFIG, e2b_geometry, geometry_from_config
-from stages.planning.fitting import make_plan, part_layers
+from stages.planning.fitting import plan_config
+from stages.planning.job import part_layers
 
 HOST_INPUTS = {
     "inputs_embeds",
@@ -87,7 +88,7 @@ def test_cross_part_tensors_avoid_cache_group_prefixes(e2b_specs):
 
 def test_plan_and_contract_split_the_same_layers(e2b_specs):
     cfg = _original()
-    plan = make_plan(e2b_geometry(), cfg)
+    plan = plan_config(e2b_geometry(), cfg)
     assert [p.layers for p in plan.parts] == [list(s.layers) for s in e2b_specs[:4]]
 
 

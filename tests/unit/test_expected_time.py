@@ -54,9 +54,9 @@ def test_the_bench_run_closest_to_the_config_is_the_witness(tmp_path):
 
 def test_the_committed_e2b_runs_price_the_default_job():
     from stages.model.geometry import e2b_geometry
-    from stages.planning.fitting import make_plan
+    from stages.planning.fitting import plan_config
 
     cfg = load_config()
-    got = expected_stages(cfg, make_plan(e2b_geometry(), cfg).params["total"], 2, BENCH_RESULTS)
+    got = expected_stages(cfg, plan_config(e2b_geometry(), cfg).params["total"], 2, BENCH_RESULTS)
     assert got is not None and [e.stage for e in got.stages][:3] == ["download", "export", "quantize"]
     assert all(e.wall_s > 0 for e in got.stages if e.stage != "bundle")

@@ -16,8 +16,8 @@ from stages.planning.fitting import (
     LayoutRuleError,
     kv_cache_bytes,
     make_layouts,
-    make_plan,
     over_context_limit,
+    plan_config,
     prompt_seconds,
     recommended_layout,
     rule_layout,
@@ -66,11 +66,11 @@ def test_the_default_preset_is_the_layout_its_rule_picks(geo):
     # AR-32 decoding is still bandwidth-bound: within 2 % of AR-1's rate.
     assert pick.decode_bound == "memory"
     assert pick.decode_tokens_per_s_ceiling >= 0.98 * slowest.decode_tokens_per_s_ceiling
-    plan = make_plan(geo, cfg)
+    plan = plan_config(geo, cfg)
     assert plan.fits(8)
     # The mixed share is the largest quarter step that fits: one more quarter is over the budget.
     assert cfg.mixed_percent == 75
-    assert not make_plan(geo, load_config(overrides={"int8_percent": "100"})).fits(8)
+    assert not plan_config(geo, load_config(overrides={"int8_percent": "100"})).fits(8)
 
 
 def approx(value, expected, rel=0.005):
@@ -104,12 +104,12 @@ def test_e2b_parameter_counts_match_facts(geo):
 def test_ple_table_bytes_match_facts(geo):
     cfg16 = original(**{"ple_lut_bits": 16})
     cfg8 = original()
-    assert approx(make_plan(geo, cfg16).luts["per_layer_embedding"], 4.70e9)
-    assert approx(make_plan(geo, cfg8).luts["per_layer_embedding"], 2.35e9)
-    four = make_plan(geo, original(**{"ple_lut_bits": 4}))
-    assert four.luts["per_layer_embedding"] * 2 == make_plan(geo, cfg8).luts["per_layer_embedding"]
+    assert approx(plan_config(geo, cfg16).luts["per_layer_embedding"], 4.70e9)
+    assert approx(plan_config(geo, cfg8).luts["per_layer_embedding"], 2.35e9)
+    four = plan_config(geo, original(**{"ple_lut_bits": 4}))
+    assert four.luts["per_layer_embedding"] * 2 == plan_config(geo, cfg8).luts["per_layer_embedding"]
     # the 4-bit alternative is priced beside a wider LUT, not beside itself
-    assert make_plan(geo, cfg8).per_layer_lut_4bit_bytes == four.luts["per_layer_embedding"]
+    assert plan_config(geo, cfg8).per_layer_lut_4bit_bytes == four.luts["per_layer_embedding"]
     assert four.per_layer_lut_4bit_bytes == 0
 
 
@@ -118,11 +118,11 @@ def test_kv_cache_bytes_match_facts(geo):
     assert kv_cache_bytes(geo, cfg16, windowed=False) == 36 * MIB
     assert kv_cache_bytes(geo, cfg16, windowed=True) == 18 * MIB
     # v69 keeps an 8-bit cache: half of it.
-    assert make_plan(geo, original()).kv_cache_bytes == 9 * MIB
+    assert plan_config(geo, original()).kv_cache_bytes == 9 * MIB
 
 
 def test_decoder_at_int8_and_roofline_match_facts(geo):
-    plan = make_plan(geo, original())
+    plan = plan_config(geo, original())
     layers_only = sum(p.bytes for p in plan.parts) - 402_653_184  # minus the int8 lm_head
     assert approx(layers_only, 1.86e9 + 27.6e6 + 13.8e6, rel=0.02)  # PLE paths stay float16
     assert approx(plan.decode_bytes_per_token, 2.3e9, rel=0.03)
@@ -130,7 +130,7 @@ def test_decoder_at_int8_and_roofline_match_facts(geo):
 
 
 def test_v69_plan_has_separate_binaries_and_warns(geo):
-    plan = make_plan(geo, original())
+    plan = plan_config(geo, original())
     assert len(plan.graphs) == 8
     assert [g.name for g in plan.graphs[:2]] == ["prefill_ar128_part1_of_4", "prefill_ar128_part2_of_4"]
     assert plan.device_bytes == plan.device_bytes_separate_binaries
@@ -142,7 +142,7 @@ def test_v69_plan_has_separate_binaries_and_warns(geo):
 
 
 def test_v73_plan_shares_weights_and_meets_its_limits(geo):
-    plan = make_plan(geo, original(**{"soc": "SM8550"}))
+    plan = plan_config(geo, original(**{"soc": "SM8550"}))
     assert plan.device_bytes == plan.device_bytes_shared_weights
     # No warning about binaries: only the (estimated) 8 GB phone budget, by 0.12 GiB.
     assert [w for w in plan.warnings if "8 GB phone" not in w] == []
@@ -150,19 +150,19 @@ def test_v73_plan_shares_weights_and_meets_its_limits(geo):
 
 
 def test_limits_warn(geo):
-    lut = make_plan(geo, original(**{"ple_lut_bits": 16}))
+    lut = plan_config(geo, original(**{"ple_lut_bits": 16}))
     assert any("over Genie's 4 GiB LUT limit" in w for w in lut.warnings)
-    big = make_plan(geo, original(**{"num_shards": 1}))
+    big = plan_config(geo, original(**{"num_shards": 1}))
     assert any("per-context allocation limit" in w for w in big.warnings)
 
 
 def test_one_graph_per_part_when_prefill_equals_decode(geo):
-    plan = make_plan(geo, original(**{"prefill_ar": 1}))
+    plan = plan_config(geo, original(**{"prefill_ar": 1}))
     assert len(plan.graphs) == 4 and plan.device_bytes_separate_binaries == plan.device_bytes_shared_weights
 
 
 def test_parts_cover_every_layer_once_with_lm_head_last(geo):
-    plan = make_plan(geo, original())
+    plan = plan_config(geo, original())
     assert list(itertools.chain.from_iterable(p.layers for p in plan.parts)) == list(range(35))
     assert "lm_head" in plan.parts[-1].holds and "PLE projection" in plan.parts[0].holds
     assert plan.params["in_graphs"] == sum(p.params for p in plan.parts)
@@ -206,7 +206,7 @@ def _limit(plan, prefix):
 
 
 def test_a_2_1_gib_v69_context_is_refused_and_the_fix_named(geo):
-    plan = make_plan(geo, original(**{"num_shards": 1}))
+    plan = plan_config(geo, original(**{"num_shards": 1}))
     worst = max(b.estimated_allocation for b in plan.binaries)
     assert 2.1 * GIB < worst < 2.3 * GIB  # the whole w8a16 decoder in one context
     check = _limit(plan, "per-context allocation limit")
@@ -217,7 +217,7 @@ def test_a_2_1_gib_v69_context_is_refused_and_the_fix_named(geo):
 
 
 def test_estimated_allocation_is_weights_plus_activations(geo):
-    plan = make_plan(geo, original())
+    plan = plan_config(geo, original())
     for g in plan.graphs:
         a = g.allocation
         assert a["weights"] == g.bytes and a["io"] > 0 and a["intermediates"] > 0
@@ -228,7 +228,7 @@ def test_estimated_allocation_is_weights_plus_activations(geo):
 
 
 def test_the_default_v69_layout_is_over_the_8gb_phone_and_one_process_domain(geo):
-    plan = make_plan(geo, original())
+    plan = plan_config(geo, original())
     assert not _limit(plan, "single-process-domain").meets  # 4.5 GiB of contexts > 4 GiB
     assert not _limit(plan, "RAM a bundle may pin (8 GB").meets
     assert _limit(plan, "RAM a bundle may pin (12 GB").meets
@@ -236,13 +236,13 @@ def test_the_default_v69_layout_is_over_the_8gb_phone_and_one_process_domain(geo
 
 
 def test_4bit_weights_halve_the_decoder_and_say_what_is_unverified(geo):
-    w8 = make_plan(geo, original(**{"prefill_ar": 1}))
-    w4 = make_plan(geo, original(**{"prefill_ar": 1, "precision": "w4a16"}))
+    w8 = plan_config(geo, original(**{"prefill_ar": 1}))
+    w4 = plan_config(geo, original(**{"prefill_ar": 1, "precision": "w4a16"}))
     decoder = 1.86e9
     assert approx(sum(p.bytes for p in w8.parts) - sum(p.bytes for p in w4.parts), decoder / 2, rel=0.02)
     # LPBQ adds one 4-bit scale per 64 weights.
     assert INT4_LPBQ64.stored_bytes(64 * 1536) - INT4_CHANNEL.stored_bytes(64 * 1536) == 1536 // 2
-    lpbq = make_plan(geo, original(**{"prefill_ar": 1, "precision": "w4a16-lpbq"}))
+    lpbq = plan_config(geo, original(**{"prefill_ar": 1, "precision": "w4a16-lpbq"}))
     scales = sum(p.bytes for p in lpbq.parts) - sum(p.bytes for p in w4.parts)
     assert approx(scales, decoder / 64 / 2, rel=0.02)
     assert w4.fits(8) and not w8.fits(8)
@@ -277,7 +277,7 @@ def test_layouts_price_both_precisions_and_both_graph_kinds(geo):
 
 def test_roofline_of_one_call_against_hand_counted_figures(geo):
     cfg = load_config(overrides={"prefill_ar": 1, "decode_ar": 1})
-    plan = make_plan(geo, cfg)
+    plan = plan_config(geo, cfg)
     (call,) = plan.calls
     # Attention of E2B at AR-1 over a 2,048 context, 8 query heads: Q.K^T and probs.V, 2 ops per MAC;
     # 7 full layers read 2,047 past + 1 new slots of 512-wide heads, 28 sliding ones 512 + 1 of 256.
@@ -313,13 +313,13 @@ def test_prompt_seconds_follows_genies_choice_of_graph(geo):
 
 
 def test_a_soc_without_a_compute_figure_is_priced_on_memory_alone(geo):
-    plan = make_plan(geo, load_config(overrides={"soc": "SM8550", "prefill_ar": 128}))
+    plan = plan_config(geo, load_config(overrides={"soc": "SM8550", "prefill_ar": 128}))
     assert plan.compute == {}
     assert all(c.compute_s is None and c.bound == "memory" for c in plan.calls)
 
 
 def test_large_ars_turn_decode_compute_bound(geo):
-    plan = make_plan(geo, load_config())
+    plan = plan_config(geo, load_config())
     by_ar = {c.ar: c for c in plan.calls_by_ar}
     assert list(by_ar) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert by_ar[32].bound == "memory" and by_ar[128].bound == "compute"

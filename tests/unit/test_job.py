@@ -42,3 +42,28 @@ def test_an_output_without_a_job_asks_for_a_clean_rebuild(tmp_path):
     result = QuantizeResult(tmp_path / "quantized", StageReport(stage="quantize", figures={}))
     with pytest.raises(OutdatedResult, match=r"does not record its job; `make clean`"):
         result.job  # noqa: B018
+
+
+def test_the_plan_prices_the_job_it_is_given():
+    """make_plan reads the job's parts, kinds and binaries instead of deriving them from the config:
+    the same job laid out for a weight-sharing SoC is priced with its shared binaries."""
+    import inspect
+
+    from stages.planning import fitting
+
+    job, cfg = _job(prefill_ar=4, decode_ar=1)
+    geo = geometry_from_config(TINY_TEXT_CONFIG)
+    plan = fitting.make_plan(job, geo, cfg)
+    assert [b.file for b in plan.binaries] == [b.file for b in job.binaries]
+    assert [p.layers for p in plan.parts] == [list(p) for p in job.parts]
+    assert [(c.role, c.ar) for c in plan.calls] == [(k.role, k.ar) for k in job.kinds]
+    assert fitting.plan_config(geo, cfg).to_dict() == plan.to_dict()
+
+    shared = job.on_soc(load_config("tiny", {"soc": "SM8550"}).soc_info)
+    priced = fitting.make_plan(shared, geo, cfg)
+    assert [b.graphs for b in priced.binaries] == [list(b.graphs) for b in shared.binaries]
+    assert len(priced.binaries) < len(plan.binaries)
+    source = inspect.getsource(fitting.make_plan) + inspect.getsource(fitting._graph_plans)
+    source += inspect.getsource(fitting._binary_plans)
+    for call in ("part_layers(", "graph_kinds(", "binary_layout(", "Job.build("):
+        assert call not in source, call

@@ -25,8 +25,8 @@ def _string_constants(path: Path):
 
 
 def test_tensor_names_are_spelled_only_in_the_contract():
-    """stages/model/contract.py owns every graph tensor name, name pattern and Genie LUT section name; a
-    name typed elsewhere is a second source that drifts (issue 16)."""
+    """stages/model/contract.py owns every graph tensor name and name pattern; a name typed elsewhere
+    is a second source that drifts (issue 16)."""
     import re
 
     from stages.model import contract
@@ -39,8 +39,6 @@ def test_tensor_names_are_spelled_only_in_the_contract():
         contract.LOGITS,
         *contract.MASK_NAME.values(),
         *(contract.rope_name(kind, f) for kind in (FULL, SLIDING) for f in ("cos", "sin")),
-        # "embedding" is also the export report's LUT key and a geometry name; the other is Genie's.
-        *(v for v in contract.GENIE_LUT_SECTION.values() if v != "embedding"),
     }
     patterns = [
         re.compile(rf"^(?:{'|'.join(contract.CACHE_PREFIX.values())})_(?:key|value)_\d+_h\d+_(?:in|out)$"),
@@ -55,6 +53,24 @@ def test_tensor_names_are_spelled_only_in_the_contract():
             if value in names or any(p.match(value) for p in patterns):
                 found.append(f"{path.relative_to(REPO)}:{line}: {value!r}")
     assert not found, "tensor names outside stages/model/contract.py:\n" + "\n".join(found)
+
+
+def test_genie_lut_words_are_spelled_only_in_its_rules():
+    """Genie's genie_config.json LUT sections are the runtime's words: spelled in
+    stages/runtimes/genie/rules.py only (issue 34). Its LUT datatypes are QNN's names, which
+    stages/model/encoding.py owns."""
+    from stages.runtimes.genie import rules
+
+    # "embedding" is also the export report's LUT key and a geometry name; the other is Genie's.
+    words = {v for v in rules.LUT_SECTION.values() if v != "embedding"}
+    found = [
+        f"{path.relative_to(REPO)}:{line}: {value!r}"
+        for path in sorted((REPO / "stages").rglob("*.py"))
+        if path != Path(rules.__file__)
+        for line, value in _string_constants(path)
+        if value in words
+    ]
+    assert not found, "Genie LUT words outside stages/runtimes/genie/rules.py:\n" + "\n".join(found)
 
 
 def _module(path: Path) -> str:

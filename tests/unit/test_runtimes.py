@@ -16,7 +16,7 @@ def test_each_runtime_implements_the_interface(name):
     assert isinstance(runtime, Runtime) and runtime.name == name
     # Its package lives under stages/runtimes/<name>/, where a newcomer looks for it.
     assert importlib.import_module(RUNTIMES[name]).__name__ == f"stages.runtimes.{name}"
-    for method in ("layout_problems", "describe_layout", "package", "check", "push", "run"):
+    for method in ("layout_problems", "describe_layout", "lut_problems", "package", "check", "push", "run"):
         want = list(inspect.signature(getattr(Runtime, method)).parameters)[1:]
         assert list(inspect.signature(getattr(runtime, method)).parameters) == want, method
 

@@ -240,7 +240,7 @@ def test_plan_and_quantize_store_every_weight_by_the_same_rule(ple_policy: str, 
     (a second copy of the rule is what drifted before)."""
     from stages.core.precision import usable_precisions
     from stages.model.geometry import EMBEDDING, LINEAR, PLE, builtin_geometry
-    from stages.planning.fitting import KIND_ROLES, weight_scheme
+    from stages.planning.job import KIND_ROLES, weight_scheme
     from stages.quantize.weights import LM_HEAD_WEIGHT, expected_scheme
 
     base = load_config("tiny", {"ple_policy": ple_policy, "lm_head_bits": lm_head_bits})

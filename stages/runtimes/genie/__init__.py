@@ -43,6 +43,11 @@ class GenieRuntime:
 
         return layout_behaviour(prefill_ar, decode_ar)
 
+    def lut_problems(self, lut_bytes: dict[str, int]) -> list[str]:
+        from stages.runtimes.genie.rules import lut_problems
+
+        return lut_problems(lut_bytes)
+
     def package(self, cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
         from stages.model.chat import ChatError
         from stages.runtimes.genie.bundle import BundleError, run_bundle

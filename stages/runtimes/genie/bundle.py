@@ -34,9 +34,6 @@ from stages.core.report import (
 )
 from stages.model.contract import (
     CACHE_PREFIX,
-    GENIE_LUT_DATATYPES,
-    GENIE_LUT_LIMIT_BYTES,
-    GENIE_LUT_SECTION,
     LOGITS,
     LUT_INPUTS,
     MASK_NAME,
@@ -48,7 +45,13 @@ from stages.model.geometry import FULL, SLIDING, Geometry
 from stages.planning.results import CompileResult, ExportResult, StageReport, require_result
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.files import GENIE_CONFIG, HTP_EXT_CONFIG, MANIFEST, TOKENIZER, TOKENIZER_CONFIG
-from stages.runtimes.genie.rules import dialog_context_size, sampler_problems
+from stages.runtimes.genie.rules import (
+    LUT_DATATYPES,
+    LUT_LIMIT_BYTES,
+    LUT_SECTION,
+    dialog_context_size,
+    sampler_problems,
+)
 
 TEMPLATES = Path(__file__).resolve().parents[3] / "templates"
 # Gemma 4's published sampling defaults (its generation_config.json), used when a checkpoint
@@ -167,10 +170,10 @@ def render_context(
         )
     luts = {}
     for key, lut in exported.luts.items():
-        luts[GENIE_LUT_SECTION[key]] = {
+        luts[LUT_SECTION[key]] = {
             "path": Path(lut.path).name,
             "size": lut.size,
-            "datatype": GENIE_LUT_DATATYPES[lut.bits],
+            "datatype": LUT_DATATYPES[lut.bits],
             "scale": lut.scale,
             "offset": lut.offset,
             "source": lut.path,
@@ -275,7 +278,7 @@ def lut_feeds(genie: dict[str, Any], io: dict[str, dict[str, dict[str, Any]]]) -
     d = genie["dialog"]
     feeds = []
     for tensor, lut_key in LUT_INPUTS.items():
-        section = d.get(GENIE_LUT_SECTION[lut_key])
+        section = d.get(LUT_SECTION[lut_key])
         if section is None:
             continue
         lut = Encoding(section["datatype"], section["quant-param"]["scale"], section["quant-param"]["offset"])
@@ -284,7 +287,7 @@ def lut_feeds(genie: dict[str, Any], io: dict[str, dict[str, dict[str, Any]]]) -
                 enc = Encoding.of_io(gio["inputs"][tensor])
                 feeds.append(
                     {
-                        "lut": GENIE_LUT_SECTION[lut_key],
+                        "lut": LUT_SECTION[lut_key],
                         "tensor": tensor,
                         "graph": graph,
                         "lut_encoding": lut.describe(),
@@ -313,7 +316,7 @@ def config_vs_graphs(
     if LOGITS in outputs:
         expect("context.n-vocab", dialog["context"]["n-vocab"], outputs[LOGITS][-1])
     for tensor, key in LUT_INPUTS.items():
-        section = GENIE_LUT_SECTION[key]
+        section = LUT_SECTION[key]
         if section in dialog and tensor not in inputs:
             problems.append(f"{section}: no graph input {tensor}")
         elif section in dialog:
@@ -380,7 +383,7 @@ def consistency_errors(
     errors += config_vs_graphs(d, shapes["inputs"], shapes["outputs"], geo)
     errors += [f"genie_config.json {e}" for e in sampler_problems(d["sampler"], d["context"]["n-vocab"])]
     for lut_key in LUT_INPUTS.values():
-        key = GENIE_LUT_SECTION[lut_key]
+        key = LUT_SECTION[lut_key]
         lut = d.get(key)
         if lut is None:
             continue
@@ -389,7 +392,7 @@ def consistency_errors(
             errors.append(f"{key} lut-path {lut['lut-path']} is not in the bundle")
             continue
         size = path.stat().st_size
-        if size > GENIE_LUT_LIMIT_BYTES:
+        if size > LUT_LIMIT_BYTES:
             errors.append(
                 f"{key} LUT {lut['lut-path']} is {size / 2**30:.2f} GiB; Genie reads sizes as uint32 "
                 "(< 4 GiB): use ple_lut_bits=8"

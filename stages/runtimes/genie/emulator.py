@@ -90,11 +90,12 @@ from typing import Any
 import numpy as np
 
 from stages.core.quiet import native_stdout_without
-from stages.model.contract import GENIE_LUT_SECTION, INPUTS_EMBEDS, LOGITS, LUT_INPUTS, MASK_NAME
+from stages.model.contract import INPUTS_EMBEDS, LOGITS, LUT_INPUTS, MASK_NAME
 from stages.model.encoding import Encoding, EncodingError, LutFile, feed, feed_mode
 from stages.model.geometry import FULL
 from stages.planning.results import CompileResult
 from stages.runtimes.genie.rules import (
+    LUT_SECTION,
     SAMPLER_DEFAULTS,
     sampler_is_greedy,
     sampler_problems,
@@ -163,7 +164,7 @@ GENIE_BEHAVIOURS = [
     },
 ]
 # Each LUT-fed graph input and the genie_config.json section that feeds it.
-INPUTS_EMBEDS_KEY = {tensor: GENIE_LUT_SECTION[key] for tensor, key in LUT_INPUTS.items()}
+INPUTS_EMBEDS_KEY = {tensor: LUT_SECTION[key] for tensor, key in LUT_INPUTS.items()}
 FLOAT_MASKED = -1000.0
 QNN_DATATYPES = {"uint8": "ufixed8", "uint16": "ufixed16", "int8": "sfixed8", "int16": "sfixed16"}
 

@@ -101,3 +101,23 @@ def layout_behaviour(prefill_ar: int, decode_ar: int) -> str:
     else:
         how = ONE_KIND_SMALL if prefill_ar == 1 else ONE_KIND_LARGE
     return how.format(p=prefill_ar, d=decode_ar)
+
+
+# ---- the host LUTs (genie_config.json's dialog sections that name a LUT file) ----
+# The dialog section of each LUT, by the export report's key (stages.model.contract.LUT_INPUTS).
+LUT_SECTION = {"embedding": "embedding", "per_layer_embedding": "perlayer-embedding"}
+# LUT entry datatypes Genie reads, by bits (4: two entries per byte; stages.model.encoding.LutFile).
+LUT_DATATYPES = {4: "ufixed4", 8: "ufixed8", 16: "ufixed16"}
+# Genie reads a LUT's size as uint32: the largest LUT file it can take.
+LUT_LIMIT_BYTES = 2**32 - 1
+
+
+def lut_problems(lut_bytes: dict[str, int]) -> list[str]:
+    """The LUTs (export report key -> bytes) Genie cannot load, one line each: the plan says it
+    before anything is built, the bundle checks the files it writes."""
+    return [
+        f"{name} LUT is {size / 2**30:.2f} GiB, over Genie's 4 GiB LUT limit (uint32 sizes); "
+        "use ple_lut_bits=8"
+        for name, size in lut_bytes.items()
+        if size > LUT_LIMIT_BYTES
+    ]

@@ -34,7 +34,6 @@ import numpy as np
 from stages.core.config import PipelineConfig
 from stages.core.pipeline import output_dir
 from stages.core.report import REPORT_NAME, STAMP_DIR, StageJob, read_report
-from stages.model.contract import GENIE_LUT_SECTION
 from stages.model.encoding import BITS, lut_file_bytes
 from stages.model.graphs import qdq_file_name
 from stages.planning.results import CompileResult, read_result
@@ -43,6 +42,7 @@ from stages.runtimes.genie.bundle import check_manifest, config_vs_graphs
 from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST, TOKENIZER
 from stages.runtimes.genie.real_checks import RealGenieError, compare, run_cases, run_short
 from stages.runtimes.genie.replay import WRAP
+from stages.runtimes.genie.rules import LUT_SECTION
 
 # The second turn the real Genie gets in the same dialog (short: the first turn's reply is in its cache).
 FOLLOW_UP = "Thanks."
@@ -102,7 +102,7 @@ def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: CompileResult,
         return problems + ["no binary could be checked"]
 
     problems += config_vs_graphs(genie, inputs, outputs, geo)
-    for key in GENIE_LUT_SECTION.values():
+    for key in LUT_SECTION.values():
         lut = genie.get(key)
         if lut is None:
             continue
@@ -152,7 +152,7 @@ def config_vs_sources(
         f"genie_config.json {p}" for p in sampler_problems(dialog["sampler"], dialog["context"]["n-vocab"])
     ]
     expect("tokenizer.path", dialog["tokenizer"]["path"], TOKENIZER, "the bundle (its tokenizer file)")
-    for key in GENIE_LUT_SECTION.values():
+    for key in LUT_SECTION.values():
         lut = dialog.get(key)
         if lut is not None and not (bundle_dir / lut["lut-path"]).is_file():
             problems.append(f"genie_config.json {key}.lut-path {lut['lut-path']!r} is no file of the bundle")
@@ -169,7 +169,7 @@ def bundle_runner(bundle_dir: Path, export_dir: Path, quantized_dir: Path):
 
     runner = HostRunner.from_export(export_dir, luts=True, graph_dir=quantized_dir)
     genie = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-    names = GENIE_LUT_SECTION
+    names = LUT_SECTION
     specs = {}
     for key, genie_key in names.items():
         lut = genie.get(genie_key)
