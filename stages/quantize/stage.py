@@ -75,13 +75,13 @@ def quantize_graphs(
     from stages.quant.runner import HostRunner
 
     runner = HostRunner.from_export(export_dir, luts=True)
+    exported = ExportResult(export_dir, StageReport.read(export_dir))
     # The prefill kind calibrates on its twin when the export made one (calibration_ar).
     twin = (
         HostRunner.from_export(export_dir, luts=True, calibration_twin=True)
-        if calibration_kind(cfg)
+        if exported.job.calibration
         else None
     )
-    exported = ExportResult(export_dir, StageReport.read(export_dir))
     luts = exported.luts
     result: QuantizedGraphs | None = None
     progress = tqdm(
@@ -96,24 +96,17 @@ def quantize_graphs(
         with tempfile.TemporaryDirectory(prefix=".calibration-", dir=out_dir) as tmp:
             collector = RangeCollector() if role == "prefill" else None
             chain = twin if twin is not None and role == "prefill" else runner
-            with clock.run(f"ranges_{role}", unit="call") as timed:
-                calibrated = calibrate_kind(
-                    cfg,
-                    chain,
-                    role,
-                    samples[: cfg.calibration_samples],
-                    decode_steps,
-                    Path(tmp),
-                    calibration_providers,
-                    method,
-                    stride,
-                    collector,
-                )
-                timed.units = max(count for _, count, _ in calibrated.values())
-                timed.tokens = (
-                    tokens_of(samples[: cfg.calibration_samples]) if role == "prefill" else timed.units
-                )
-            share = timed.wall_s / len(calibrated)  # the pass's time, split evenly
+            calibrated, share = _calibrate(
+                cfg,
+                chain,
+                role,
+                samples,
+                decode_steps,
+                Path(tmp),
+                (calibration_providers, method, stride),
+                collector,
+                clock,
+            )
             if rounder is None and _has_4bit_weights(cfg):
                 # After the prefill calibration (its sessions released): Hessians, then every 4-bit
                 # weight rounded once (decode graphs hold the same weights), then the Hessians go.
@@ -128,54 +121,23 @@ def quantize_graphs(
                 )
             if collector is not None:
                 ranges = collector.ranges()
-                result = QuantizedGraphs(
-                    paths={},
-                    kv_ranges={f"{k}_{layer}": list(v) for (k, layer), v in sorted(ranges.kv.items())},
-                    boundary_ranges={k: list(v) for k, v in sorted(ranges.boundary.items())},
-                )
-                if rounder is not None:
-                    rounding_s = sum(clock.seconds(name) for name in WEIGHT_PASSES)
-                    result.weights = {**rounder.figures(), "rounding_s": round(rounding_s, 1)}
+                result = _shared_ranges_result(ranges, rounder, clock)
             write_t0 = time.perf_counter()
-            for spec, src in runner.graphs[role]:
-                t0 = time.perf_counter()
-                if chain is twin:
-                    twin_spec, twin_src = twin.graphs["prefill"][spec.part - 1]
-                    calibrated_on = twin_spec.name
-                    ranges_file, count, graph_stride_used = calibrated[twin_spec.name]
-                    ranges_file = twin_ranges(
-                        twin_src, src, ranges_file, Path(tmp) / f"{spec.name}.ranges.json"
-                    )
-                else:
-                    calibrated_on = spec.name
-                    ranges_file, count, graph_stride_used = calibrated[spec.name]
-                dest = out_dir / qdq_file_name(spec.name)
-                checked, analysis = _write_graph(
-                    cfg,
-                    src,
-                    dest,
-                    ranges_file,
-                    ranges,
-                    luts,
-                    rounder,
-                    Path(tmp) / spec.name,
-                    (calibration_providers, method, graph_stride_used),
-                )
-                result.problems += [f"{spec.name}: {p}" for p in checked["problems"]]
-                result.paths[spec.name] = dest
-                result.figures.append(
-                    {
-                        "name": spec.name,
-                        "qdq_onnx": dest.name,
-                        "calibrated_on": calibrated_on,
-                        "calibration_calls": count,
-                        "calibration_stride": graph_stride_used,
-                        "quantize_s": round(share + time.perf_counter() - t0, 3),
-                        "kv_layers": sorted(f"{k}_{layer}" for k, layer in analysis.kv_groups),
-                        "audit": checked,
-                    }
-                )
-                progress.update()
+            _write_kind(
+                cfg,
+                runner.graphs[role],
+                twin if chain is twin else None,
+                calibrated,
+                share,
+                out_dir,
+                Path(tmp),
+                ranges,
+                luts,
+                rounder,
+                (calibration_providers, method),
+                result,
+                progress,
+            )
             clock.passes.append(
                 PassTime(
                     f"write_{role}",
@@ -191,6 +153,110 @@ def quantize_graphs(
         result.weights["checkpoint_grids"]["static_input_scales"] = dict(sorted(rounder.input_scales.items()))
     result.clock = clock
     return result
+
+
+def _calibrate(
+    cfg: PipelineConfig,
+    chain,
+    role: str,
+    samples: list[list[int]],
+    decode_steps: int,
+    tmp: Path,
+    how: tuple[list[str] | None, str, int | None],
+    collector: RangeCollector | None,
+    clock: PassClock,
+) -> tuple[dict[str, tuple[Path, int, int]], float]:
+    """One graph kind's activation ranges from the chain, timed as its pass: (ranges file, calls,
+    stride by graph name; each graph's share of the pass's time)."""
+    providers, method, stride = how
+    with clock.run(f"ranges_{role}", unit="call") as timed:
+        calibrated = calibrate_kind(
+            cfg,
+            chain,
+            role,
+            samples[: cfg.calibration_samples],
+            decode_steps,
+            tmp,
+            providers,
+            method,
+            stride,
+            collector,
+        )
+        timed.units = max(count for _, count, _ in calibrated.values())
+        timed.tokens = tokens_of(samples[: cfg.calibration_samples]) if role == "prefill" else timed.units
+    return calibrated, timed.wall_s / len(calibrated)  # the pass's time, split evenly
+
+
+def _shared_ranges_result(ranges, rounder: WeightRounder | None, clock: PassClock) -> QuantizedGraphs:
+    """The result as the prefill pass starts it: the KV and cross-part ranges every graph shares, and
+    the weights' figures once they are rounded."""
+    result = QuantizedGraphs(
+        paths={},
+        kv_ranges={f"{k}_{layer}": list(v) for (k, layer), v in sorted(ranges.kv.items())},
+        boundary_ranges={k: list(v) for k, v in sorted(ranges.boundary.items())},
+    )
+    if rounder is not None:
+        rounding_s = sum(clock.seconds(name) for name in WEIGHT_PASSES)
+        result.weights = {**rounder.figures(), "rounding_s": round(rounding_s, 1)}
+    return result
+
+
+def _write_kind(
+    cfg: PipelineConfig,
+    graphs: list[tuple[Any, Path]],
+    twin,
+    calibrated: dict[str, tuple[Path, int, int]],
+    share: float,
+    out_dir: Path,
+    tmp: Path,
+    ranges,
+    luts,
+    rounder: WeightRounder | None,
+    calibration: tuple[list[str] | None, str],
+    result: QuantizedGraphs,
+    progress,
+) -> None:
+    """Each graph of one kind written as a QDQ graph with its calibrated ranges (`twin`: the runner of
+    the calibration twin the ranges were taken on, moved onto the shipped graph), audited, and added
+    to `result` with its figures."""
+    providers, method = calibration
+    for spec, src in graphs:
+        t0 = time.perf_counter()
+        if twin is not None:
+            twin_spec, twin_src = twin.graphs["prefill"][spec.part - 1]
+            calibrated_on = twin_spec.name
+            ranges_file, count, graph_stride_used = calibrated[twin_spec.name]
+            ranges_file = twin_ranges(twin_src, src, ranges_file, tmp / f"{spec.name}.ranges.json")
+        else:
+            calibrated_on = spec.name
+            ranges_file, count, graph_stride_used = calibrated[spec.name]
+        dest = out_dir / qdq_file_name(spec.name)
+        checked, analysis = _write_graph(
+            cfg,
+            src,
+            dest,
+            ranges_file,
+            ranges,
+            luts,
+            rounder,
+            tmp / spec.name,
+            (providers, method, graph_stride_used),
+        )
+        result.problems += [f"{spec.name}: {p}" for p in checked["problems"]]
+        result.paths[spec.name] = dest
+        result.figures.append(
+            {
+                "name": spec.name,
+                "qdq_onnx": dest.name,
+                "calibrated_on": calibrated_on,
+                "calibration_calls": count,
+                "calibration_stride": graph_stride_used,
+                "quantize_s": round(share + time.perf_counter() - t0, 3),
+                "kv_layers": sorted(f"{k}_{layer}" for k, layer in analysis.kv_groups),
+                "audit": checked,
+            }
+        )
+        progress.update()
 
 
 def _write_graph(
@@ -376,6 +442,58 @@ def _check_kv_encodings_agree(graphs: QuantizedGraphs) -> None:
         raise QuantizeError(f"KV caches {', '.join(split)} differ in encoding between graphs")
 
 
+def _calibration_figures(
+    cfg: PipelineConfig, calibration_files: list[Path] | None, workdir: Path, samples: int, twin
+) -> dict[str, Any]:
+    """What the calibration read: the text, how much of it each pass took, on which graph kind."""
+    from stages.quant.calibration import text_source
+
+    return {
+        "dataset": cfg.calibration_dataset,
+        "source": text_source(cfg, calibration_files, workdir),
+        "files": [str(f) for f in calibration_files or []],
+        "samples": min(cfg.calibration_samples, samples),
+        "hessian_samples": min(cfg.hessian_samples, samples),
+        "sensitivity_tokens": cfg.sensitivity_tokens,
+        "tokens_per_call": twin.ar if twin else cfg.prefill_ar,
+        "on_twin": twin is not None,
+    }
+
+
+def _figures(
+    cfg: PipelineConfig,
+    exported: ExportResult,
+    main: QuantizedGraphs,
+    quality: dict[str, Any],
+    by_precision: dict[str, Any],
+    calibration: dict[str, Any],
+    eval_samples: list[list[int]],
+) -> dict[str, Any]:
+    """quantized/report.json's figures: the scheme, the weights, the calibration, each pass's time,
+    the shared ranges, every graph's audit, the quality, and the job handed on."""
+    return {
+        "soc": cfg.soc,
+        "precision": cfg.precision,
+        "weight_scheme": cfg.decoder_scheme.name,
+        "lm_head_scheme": cfg.lm_head_scheme.name,
+        "weights": main.weights,
+        "quality_by_precision": by_precision,
+        "kv_cache_bits": cfg.kv_cache_bits,
+        "ple_policy": cfg.ple_policy,
+        "ple_lut_bits": getattr(exported.luts.get("per_layer_embedding"), "bits", None),
+        "calibration": calibration,
+        "evaluation": {"samples": len(eval_samples), "tokens_per_sample": len(eval_samples[0])},
+        # What each pass took (the main precision's; the comparison runs are not timed).
+        "passes": main.clock.figures(),
+        "kv_ranges": main.kv_ranges,
+        "boundary_ranges": main.boundary_ranges,
+        "graphs": main.figures,
+        "quality": quality,
+        # Handed on as export worked it out, its binaries laid out for this SoC: compile reads it.
+        "job": exported.job.on_soc(cfg.soc_info).to_dict(),
+    }
+
+
 def run_quantize(
     cfg: PipelineConfig,
     workdir: Path,
@@ -389,11 +507,10 @@ def run_quantize(
 ) -> dict[str, Any]:
     """The whole stage; returns the report. Bad input raises QuantizeError and leaves nothing."""
     import dataclasses
-    import shutil
     import tempfile
 
     from stages.model.chat import ChatTokenizer
-    from stages.quant.calibration import load_texts, text_source, token_samples
+    from stages.quant.calibration import load_texts, token_samples
 
     calibration_providers = _providers(provider)
     exported = require_result(workdir, "export", ExportResult, QuantizeError)
@@ -410,8 +527,7 @@ def run_quantize(
 
     tok = ChatTokenizer(checkpoint_dir)
     bos = Checkpoint(checkpoint_dir).geometry.config.get("bos_token_id", 2)
-    twin = calibration_kind(cfg)
-    ar = twin.ar if twin else cfg.prefill_ar
+    twin = exported.job.calibration
     length = sample_length(cfg)
     texts = load_texts(cfg, "calibration", calibration_files, workdir)
     samples = token_samples(texts, tok.encode, bos, cfg.calibration_sequences, length)
@@ -447,15 +563,18 @@ def run_quantize(
         below = below_floor(cfg, quality[cfg.ple_policy])
         if below:
             raise QuantizeError(below)
+
+        def quality_of(other_cfg: PipelineConfig, scratch: Path) -> dict[str, Any]:
+            with tempfile.TemporaryDirectory(dir=scratch) as tmp:
+                other = quantize_with(other_cfg, Path(tmp))
+                return {
+                    **_quality(cfg, export_dir, other, eval_samples, decode_steps),
+                    "audit_problems": other.problems,
+                }
+
         if compare_ple_policies:
             for policy in (p for p in ("float16", "int16", "int8") if p != cfg.ple_policy):
-                with tempfile.TemporaryDirectory(dir=run.dir) as tmp:
-                    other = quantize_with(dataclasses.replace(cfg, ple_policy=policy), Path(tmp))
-                    quality[policy] = {
-                        **_quality(cfg, export_dir, other, eval_samples, decode_steps),
-                        "audit_problems": other.problems,
-                    }
-                    shutil.rmtree(tmp, ignore_errors=True)
+                quality[policy] = quality_of(dataclasses.replace(cfg, ple_policy=policy), run.dir)
         # The other precisions on the same exported graphs (cut for this precision: the cut points
         # move nothing but which part a layer sits in), so the report ranks the weight schemes.
         by_precision = {cfg.precision: quality[cfg.ple_policy]}
@@ -464,49 +583,18 @@ def run_quantize(
 
             for name in (p.name for p in usable_precisions(cfg.soc_info) if p.name != cfg.precision):
                 other_cfg = dataclasses.replace(cfg, precision=name, int8_percent="auto")
-                with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-                    other = quantize_with(other_cfg, Path(tmp))
-                    by_precision[name] = {
-                        **_quality(cfg, export_dir, other, eval_samples, decode_steps),
-                        "audit_problems": other.problems,
-                        "int8_percent": other_cfg.mixed_percent,
-                    }
-        run.figures.update(
-            {
-                "soc": cfg.soc,
-                "precision": cfg.precision,
-                "weight_scheme": cfg.decoder_scheme.name,
-                "lm_head_scheme": cfg.lm_head_scheme.name,
-                "weights": main.weights,
-                "quality_by_precision": by_precision,
-                "kv_cache_bits": cfg.kv_cache_bits,
-                "ple_policy": cfg.ple_policy,
-                "ple_lut_bits": getattr(exported.luts.get("per_layer_embedding"), "bits", None),
-                "calibration": {
-                    "dataset": cfg.calibration_dataset,
-                    "source": text_source(cfg, calibration_files, workdir),
-                    "files": [str(f) for f in calibration_files or []],
-                    "samples": min(cfg.calibration_samples, len(samples)),
-                    "tokens_per_sample": length,
-                    "hessian_samples": min(cfg.hessian_samples, len(samples)),
-                    "sensitivity_tokens": cfg.sensitivity_tokens,
-                    "decode_steps_per_sample": decode_steps,
-                    "tokens_per_call": ar,
-                    "on_twin": twin is not None,
-                    "method": method,
-                    "stride": stride,
-                },
-                "evaluation": {"samples": len(eval_samples), "tokens_per_sample": len(eval_samples[0])},
-                # What each pass took (the main precision's; the comparison runs are not timed).
-                "passes": main.clock.figures(),
-                "kv_ranges": main.kv_ranges,
-                "boundary_ranges": main.boundary_ranges,
-                "graphs": main.figures,
-                "quality": quality,
-                # Handed on as export worked it out, its binaries laid out for this SoC: compile reads it.
-                "job": exported.job.on_soc(cfg.soc_info).to_dict(),
-            }
-        )
+                by_precision[name] = {
+                    **quality_of(other_cfg, workdir),
+                    "int8_percent": other_cfg.mixed_percent,
+                }
+        calibration = {
+            **_calibration_figures(cfg, calibration_files, workdir, len(samples), twin),
+            "tokens_per_sample": length,
+            "decode_steps_per_sample": decode_steps,
+            "method": method,
+            "stride": stride,
+        }
+        run.figures.update(_figures(cfg, exported, main, quality, by_precision, calibration, eval_samples))
         write_quality_html(run.dir / "quality.html", run.figures)
     return read_report(job.out_dir)
 

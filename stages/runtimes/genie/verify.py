@@ -400,30 +400,14 @@ def _transformers_answers(
     return theirs, ref, want, head
 
 
-def run_verify(
-    cfg: PipelineConfig,
-    workdir: Path,
-    checkpoint_dir: Path,
-    prompt: str,
-    max_new_tokens: int = 32,
-    engine: str | None = None,
-    thresholds: Thresholds = Thresholds(),
-    heldout_check: bool = True,
-    real_genie: bool = True,
-) -> dict[str, Any]:
-    """The whole stage; returns its report. A broken bundle, or one below the thresholds, raises
-    VerifyError. engine: htp, replay or cpu (None: the config's verify_engine). heldout_check=False
-    (VERIFY_HELDOUT=off) skips the held-out text, and the report says so."""
-    from stages.model.chat import ChatTokenizer
-    from stages.model.checkpoint import Checkpoint, stop_token_ids
-    from stages.runtimes.genie.bundle import GENIE_VALIDATOR
-    from stages.runtimes.genie.emulator import GENIE_BEHAVIOURS, EmulatorError, GenieEmulator
-    from stages.runtimes.genie.replay import ReplayPlan, replay, replay_budget_s
-    from stages.runtimes.genie.rules import sampler_is_greedy
+def _open_bundle(
+    cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path
+) -> tuple[StageJob, CompileResult, dict[str, Any], Any]:
+    """The bundle and what it was built from, checked against the hashes their stages recorded, and
+    its files and configs checked (`check_bundle`, `config_vs_sources`); any earlier verify report
+    removed first. (the stage's job, compile's result, genie_config.json's dialog, the geometry)."""
+    from stages.model.checkpoint import Checkpoint
 
-    started = time.perf_counter()
-    since = (time.time(), time.process_time())  # the report's wall and CPU: the whole check
-    engine = engine or cfg.verify_engine
     bundle_dir, compiled_dir = output_dir(workdir, "bundle"), output_dir(workdir, "compile")
     quantized_dir, export_dir = output_dir(workdir, "quantize"), output_dir(workdir, "export")
     compiled = read_result(workdir, "compile", CompileResult)
@@ -444,6 +428,250 @@ def run_verify(
             f"{bundle_dir} is broken ({len(problems)} problems; run `make bundle` again):\n  "
             + "\n  ".join(problems)
         )
+    return job, compiled, genie, geo
+
+
+def _emulate(emulator, engine: str, prompt_ids: list[int], real, max_new_tokens: int, bundle_dir: Path):
+    """The bundle's greedy answers under the emulator, whatever the config's sampler (the one run
+    that can be compared token by token): to the prompt, and to the real Genie's long prompts on the
+    same binaries (past the window, whatever the quantization does to the answer, the two runtimes
+    must agree). With the replay engine, every call is recorded for the HTP replay.
+    (the answer to the prompt, {case: tokens} of the long prompts)."""
+    from stages.runtimes.genie.emulator import EmulatorError
+    from stages.runtimes.genie.replay import ReplayPlan
+
+    try:
+        emulator.record = ReplayPlan() if engine == "replay" else None
+        emulated_long = {
+            case: emulator.generate(ids, max_new_tokens, greedy=True).tokens
+            for case, ids in (real.greedy_cases if real is not None else [])
+            if case != "chat"
+        }
+        ours = emulator.generate(prompt_ids, max_new_tokens, greedy=True)
+        if emulator.record is not None:
+            wrap_run(emulator, prompt_ids)
+            emulator.record = None
+    except EmulatorError as e:
+        raise VerifyError(f"{bundle_dir}: Genie would not run it correctly: {e}") from None
+    return ours, emulated_long
+
+
+@dataclass
+class _Comparison:
+    """The bundle beside transformers and beside its own quantized graphs, on transformers' answer."""
+
+    theirs: list[int]  # transformers' greedy answer
+    ref: np.ndarray  # transformers' logits along it
+    emulated: np.ndarray  # the bundle's (the emulator's) logits along it
+    host: np.ndarray  # the bundle's own quantized graphs' (the host runner's) logits along it
+    heldout: dict[str, Any]
+    common: int  # tokens the bundle's answer shares with transformers' from the first
+
+    @property
+    def agreement(self) -> float:
+        return float((self.emulated.argmax(-1) == self.ref.argmax(-1)).mean()) if len(self.ref) else 1.0
+
+    @property
+    def host_agreement(self) -> float:
+        return float((self.emulated.argmax(-1) == self.host.argmax(-1)).mean()) if len(self.host) else 1.0
+
+
+def _compare(
+    emulator,
+    ours,
+    workdir: Path,
+    checkpoint_dir: Path,
+    prompt_ids: list[int],
+    sample: list[int] | None,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    prefill_ar: int,
+) -> _Comparison:
+    """transformers' answer, and the bundle's and its own graphs' logits along it (and on the
+    held-out text). One big thing in memory at a time: the emulator's graphs, then the float model,
+    then the graphs again (E2B: several GB each)."""
+    emulator.engine.close()
+    theirs, ref, want, head = _transformers_answers(
+        checkpoint_dir, prompt_ids, sample, max_new_tokens, stop_ids, prefill_ar
+    )
+    common = next((i for i, (a, b) in enumerate(zip(ours.tokens, theirs, strict=False)) if a != b), None)
+    common = min(len(ours.tokens), len(theirs)) if common is None else common
+    emulated = emulator.logits_along(prompt_ids, theirs[:-1])
+    heldout: dict[str, Any] = {"ran": False, "switched_off_by": HELDOUT_OFF}
+    if sample is not None:
+        got = emulator.logits_along(sample[:head], sample[head:-1])
+        heldout = {
+            "ran": True,
+            "tokens": len(sample),
+            "top1_agreement": round(float((got.argmax(-1) == want.argmax(-1)).mean()), 4),
+            "near_ties": near_ties(want, got),
+        }
+    emulator.engine.close()
+    runner = bundle_runner(
+        output_dir(workdir, "bundle"), output_dir(workdir, "export"), output_dir(workdir, "quantize")
+    )
+    runner.reset()
+    host = runner.prefill(prompt_ids + theirs[:-1])[len(prompt_ids) - 1 :]
+    del runner
+    gc.collect()
+    return _Comparison(theirs, ref, emulated, host, heldout, common)
+
+
+def _replay(bundle_dir: Path, emulator, started: float):
+    """The recorded calls again on the ctx-bins under the HTP emulation, within what is left of the
+    stage's time budget; raises where they disagree with their compiler inputs."""
+    from stages.runtimes.genie.replay import replay, replay_budget_s
+
+    replayed = replay(bundle_dir, emulator, emulator.recorded, replay_budget_s(time.perf_counter() - started))
+    if replayed.problems:
+        raise VerifyError(
+            f"{bundle_dir}: its ctx-bins on the HTP emulation disagree with their compiler inputs "
+            "(the graphs they were compiled from) on the same inputs:\n  " + "\n  ".join(replayed.problems)
+        )
+    return replayed
+
+
+def _judge(
+    cfg: PipelineConfig,
+    thresholds: Thresholds,
+    cmp: _Comparison,
+    real,
+    emulated_long: dict[str, list[int]],
+    stop_ids: set[int],
+    tok,
+    bundle_dir: Path,
+    engine: str,
+) -> None:
+    """Raises VerifyError where the real Genie's answers differ (its chat answer from transformers',
+    its long prompts' from the emulator's) or the bundle falls short of a threshold."""
+    real_wants = {
+        case: ("transformers" if case == "chat" else "the emulator", [t for t in tokens if t not in stop_ids])
+        for case, tokens in {"chat": cmp.theirs, **emulated_long}.items()
+    }
+    problems = compare(real, real_wants, tok.decode, tok.encode, thresholds.min_prefix) if real else []
+    if problems:
+        raise VerifyError(f"{bundle_dir}: " + "; ".join(problems) + f" (logs: {real.log_dir})")
+    shortfalls = thresholds.shortfalls(
+        cfg,
+        {
+            "matching_prefix": cmp.common,
+            "generated": len(cmp.theirs),
+            "top1_prompt": cmp.agreement,
+            "top1_heldout": cmp.heldout.get("top1_agreement"),
+            "top1_own_graphs": cmp.host_agreement,
+        },
+    )
+    if shortfalls:
+        ties = near_ties(cmp.ref, cmp.emulated) + cmp.heldout.get("near_ties", [])
+        raise VerifyError(
+            f"{bundle_dir} runs under the Genie emulator ({engine} engine) but falls short: "
+            + "; ".join(shortfalls)
+            + (f"; first disagreements: {ties[:3]}" if ties else "")
+        )
+
+
+def _figures(
+    engine: str,
+    genie: dict[str, Any],
+    thresholds: Thresholds,
+    cfg: PipelineConfig,
+    prompt: str,
+    prompt_ids: list[int],
+    tok,
+    emulator,
+    ours,
+    cmp: _Comparison,
+    replayed,
+    real,
+    bundle_dir: Path,
+) -> dict[str, Any]:
+    """verify/report.json's figures: what was checked, the engine, the real Genie's run, and every
+    comparison with its threshold."""
+    from stages.runtimes.genie.bundle import GENIE_VALIDATOR
+    from stages.runtimes.genie.emulator import GENIE_BEHAVIOURS
+    from stages.runtimes.genie.rules import sampler_is_greedy
+
+    emulated, host, ref = cmp.emulated, cmp.host, cmp.ref
+    return {
+        "bundle": json.loads((bundle_dir / MANIFEST).read_text())["name"],
+        "checks": "manifest hashes, binary graph I/O vs quantized graphs and genie_config.json, "
+        "genie_config.json's other fields vs compile and the checkpoint, libGenie.so's validator, "
+        "the bundle under the real Genie (libGenie.so) vs transformers, "
+        "the binaries under a Genie emulator vs transformers and the host runner",
+        "engine": {"name": engine, "what": ENGINE_WHAT[engine]},
+        "htp_replay": replayed.figures() if replayed is not None else None,
+        "emulator_calls": {
+            "engine": emulator.engine.name,
+            "calls": emulator.calls_run,
+            "engine_s": round(emulator.engine_s, 1),
+        },
+        "genie_behaviours": GENIE_BEHAVIOURS,
+        "sampler": {
+            "config": genie["sampler"],
+            "greedy_in_genie": sampler_is_greedy(genie["sampler"]),
+            "compared": "greedy (the first largest logit, as Genie with top-k 1): the one "
+            "choice transformers can be compared with token by token",
+        },
+        "genie_validator": GENIE_VALIDATOR,
+        "real_genie": real.figures()
+        if real is not None
+        else {"ran": False, "switched_off_by": "VERIFY_REAL_GENIE=off"},
+        "thresholds": {
+            "min_matching_prefix": min(thresholds.min_prefix, len(cmp.theirs)),
+            "min_top1_agreement_with_transformers": thresholds.top1_with_transformers(cfg),
+            "with_transformers_from": thresholds.top1_source(cfg),
+            "min_top1_agreement_with_own_graphs": OWN_GRAPHS_MIN_TOP1,
+        },
+        "prompt": prompt,
+        "prompt_tokens": len(prompt_ids),
+        "bundle_tokens": ours.tokens,
+        "transformers_tokens": cmp.theirs,
+        "matching_prefix_tokens": cmp.common,
+        "top1_agreement": cmp.agreement,
+        "near_ties": near_ties(ref, emulated),
+        "heldout": cmp.heldout,
+        "bundle_text": tok.decode(ours.tokens),
+        "transformers_text": tok.decode(cmp.theirs),
+        "emulator_prefill_steps": ours.steps[: len(ours.steps) - (len(ours.tokens) - 1)],
+        "emulator_decode_steps": len(ours.tokens) - 1,
+        "emulator_stopped_by": ours.stopped_by,
+        "emulator_prefill_s": round(ours.prefill_s, 3),
+        "emulator_decode_tokens_per_s": round(max(len(ours.tokens) - 1, 0) / ours.decode_s, 2)
+        if ours.decode_s
+        else 0.0,
+        "host_runner_top1_agreement": float((host.argmax(-1) == ref.argmax(-1)).mean()),
+        "bundle_vs_host_runner_logits": {
+            "max_abs": round(float(np.abs(emulated - host).max()), 4),
+            "mean_abs": round(float(np.abs(emulated - host).mean()), 4),
+            "host_logit_span": round(float(host.max() - host.min()) or 1.0, 4),
+            "top1_agreement": cmp.host_agreement,
+        },
+    }
+
+
+def run_verify(
+    cfg: PipelineConfig,
+    workdir: Path,
+    checkpoint_dir: Path,
+    prompt: str,
+    max_new_tokens: int = 32,
+    engine: str | None = None,
+    thresholds: Thresholds = Thresholds(),
+    heldout_check: bool = True,
+    real_genie: bool = True,
+) -> dict[str, Any]:
+    """The whole stage; returns its report. A broken bundle, or one below the thresholds, raises
+    VerifyError. engine: htp, replay or cpu (None: the config's verify_engine). heldout_check=False
+    (VERIFY_HELDOUT=off) skips the held-out text, and the report says so."""
+    from stages.model.chat import ChatTokenizer
+    from stages.model.checkpoint import stop_token_ids
+    from stages.runtimes.genie.emulator import EmulatorError, GenieEmulator
+
+    started = time.perf_counter()
+    since = (time.time(), time.process_time())  # the report's wall and CPU: the whole check
+    engine = engine or cfg.verify_engine
+    bundle_dir, quantized_dir = output_dir(workdir, "bundle"), output_dir(workdir, "quantize")
+    job, compiled, genie, geo = _open_bundle(cfg, workdir, checkpoint_dir)
     try:
         emulator = GenieEmulator(bundle_dir, compiled, "cpu" if engine == "replay" else engine, quantized_dir)
     except EmulatorError as e:
@@ -462,145 +690,29 @@ def run_verify(
         if real_genie
         else None
     )
-    try:
-        # Greedy whatever the config's sampler: the one run that can be compared token by token.
-        emulator.record = ReplayPlan() if engine == "replay" else None
-        # The real Genie's long prompt, emulated on the same binaries: past the window, whatever the
-        # quantization does to the answer, the two runtimes must agree.
-        emulated_long = {
-            case: emulator.generate(ids, max_new_tokens, greedy=True).tokens
-            for case, ids in (real.greedy_cases if real is not None else [])
-            if case != "chat"
-        }
-        ours = emulator.generate(prompt_ids, max_new_tokens, greedy=True)
-        if emulator.record is not None:
-            wrap_run(emulator, prompt_ids)
-            emulator.record = None
-    except EmulatorError as e:
-        raise VerifyError(f"{bundle_dir}: Genie would not run it correctly: {e}") from None
-    # One big thing in memory at a time: the CPU engine's graphs, then the float model, then the
-    # graphs again (E2B: several GB each).
-    emulator.engine.close()
-    theirs, ref, want, head = _transformers_answers(
-        checkpoint_dir, prompt_ids, sample, max_new_tokens, stop_ids, cfg.prefill_ar
+    ours, emulated_long = _emulate(emulator, engine, prompt_ids, real, max_new_tokens, bundle_dir)
+    cmp = _compare(
+        emulator, ours, workdir, checkpoint_dir, prompt_ids, sample, max_new_tokens, stop_ids, cfg.prefill_ar
     )
-    real_wants = {
-        case: ("transformers" if case == "chat" else "the emulator", [t for t in tokens if t not in stop_ids])
-        for case, tokens in {"chat": theirs, **emulated_long}.items()
-    }
-    common = next((i for i, (a, b) in enumerate(zip(ours.tokens, theirs, strict=False)) if a != b), None)
-    common = min(len(ours.tokens), len(theirs)) if common is None else common
-    emulated = emulator.logits_along(prompt_ids, theirs[:-1])
-    agreement = float((emulated.argmax(-1) == ref.argmax(-1)).mean()) if len(ref) else 1.0
-    heldout: dict[str, Any] = {"ran": False, "switched_off_by": HELDOUT_OFF}
-    if sample is not None:
-        got = emulator.logits_along(sample[:head], sample[head:-1])
-        heldout = {
-            "ran": True,
-            "tokens": len(sample),
-            "top1_agreement": round(float((got.argmax(-1) == want.argmax(-1)).mean()), 4),
-            "near_ties": near_ties(want, got),
-        }
-    emulator.engine.close()
-    runner = bundle_runner(bundle_dir, export_dir, quantized_dir)
-    runner.reset()
-    host = runner.prefill(prompt_ids + theirs[:-1])[len(prompt_ids) - 1 :]
-    del runner
-    gc.collect()
-    span = float(host.max() - host.min()) or 1.0
-    host_agreement = float((emulated.argmax(-1) == host.argmax(-1)).mean()) if len(host) else 1.0
 
-    replayed = None
-    if engine == "replay":
-        replayed = replay(
-            bundle_dir, emulator, emulator.recorded, replay_budget_s(time.perf_counter() - started)
-        )
-        if replayed.problems:
-            raise VerifyError(
-                f"{bundle_dir}: its ctx-bins on the HTP emulation disagree with their compiler inputs "
-                "(the graphs they were compiled from) on the same inputs:\n  "
-                + "\n  ".join(replayed.problems)
-            )
+    replayed = _replay(bundle_dir, emulator, started) if engine == "replay" else None
+    _judge(cfg, thresholds, cmp, real, emulated_long, stop_ids, tok, bundle_dir, engine)
 
-    problems = compare(real, real_wants, tok.decode, tok.encode, thresholds.min_prefix) if real else []
-    if problems:
-        raise VerifyError(f"{bundle_dir}: " + "; ".join(problems) + f" (logs: {real.log_dir})")
-
-    shortfalls = thresholds.shortfalls(
+    figures = _figures(
+        engine,
+        genie,
+        thresholds,
         cfg,
-        {
-            "matching_prefix": common,
-            "generated": len(theirs),
-            "top1_prompt": agreement,
-            "top1_heldout": heldout.get("top1_agreement"),
-            "top1_own_graphs": host_agreement,
-        },
+        prompt,
+        prompt_ids,
+        tok,
+        emulator,
+        ours,
+        cmp,
+        replayed,
+        real,
+        bundle_dir,
     )
-    if shortfalls:
-        ties = near_ties(ref, emulated) + heldout.get("near_ties", [])
-        raise VerifyError(
-            f"{bundle_dir} runs under the Genie emulator ({engine} engine) but falls short: "
-            + "; ".join(shortfalls)
-            + (f"; first disagreements: {ties[:3]}" if ties else "")
-        )
-
-    inputs = [bundle_dir / MANIFEST, bundle_dir / REPORT_NAME]
-    with job.output(inputs, since=since) as run:
-        run.figures.update(
-            {
-                "bundle": json.loads((bundle_dir / MANIFEST).read_text())["name"],
-                "checks": "manifest hashes, binary graph I/O vs quantized graphs and genie_config.json, "
-                "genie_config.json's other fields vs compile and the checkpoint, libGenie.so's validator, "
-                "the bundle under the real Genie (libGenie.so) vs transformers, "
-                "the binaries under a Genie emulator vs transformers and the host runner",
-                "engine": {"name": engine, "what": ENGINE_WHAT[engine]},
-                "htp_replay": replayed.figures() if replayed is not None else None,
-                "emulator_calls": {
-                    "engine": emulator.engine.name,
-                    "calls": emulator.calls_run,
-                    "engine_s": round(emulator.engine_s, 1),
-                },
-                "genie_behaviours": GENIE_BEHAVIOURS,
-                "sampler": {
-                    "config": genie["sampler"],
-                    "greedy_in_genie": sampler_is_greedy(genie["sampler"]),
-                    "compared": "greedy (the first largest logit, as Genie with top-k 1): the one "
-                    "choice transformers can be compared with token by token",
-                },
-                "genie_validator": GENIE_VALIDATOR,
-                "real_genie": real.figures()
-                if real is not None
-                else {"ran": False, "switched_off_by": "VERIFY_REAL_GENIE=off"},
-                "thresholds": {
-                    "min_matching_prefix": min(thresholds.min_prefix, len(theirs)),
-                    "min_top1_agreement_with_transformers": thresholds.top1_with_transformers(cfg),
-                    "with_transformers_from": thresholds.top1_source(cfg),
-                    "min_top1_agreement_with_own_graphs": OWN_GRAPHS_MIN_TOP1,
-                },
-                "prompt": prompt,
-                "prompt_tokens": len(prompt_ids),
-                "bundle_tokens": ours.tokens,
-                "transformers_tokens": theirs,
-                "matching_prefix_tokens": common,
-                "top1_agreement": agreement,
-                "near_ties": near_ties(ref, emulated),
-                "heldout": heldout,
-                "bundle_text": tok.decode(ours.tokens),
-                "transformers_text": tok.decode(theirs),
-                "emulator_prefill_steps": ours.steps[: len(ours.steps) - (len(ours.tokens) - 1)],
-                "emulator_decode_steps": len(ours.tokens) - 1,
-                "emulator_stopped_by": ours.stopped_by,
-                "emulator_prefill_s": round(ours.prefill_s, 3),
-                "emulator_decode_tokens_per_s": round(max(len(ours.tokens) - 1, 0) / ours.decode_s, 2)
-                if ours.decode_s
-                else 0.0,
-                "host_runner_top1_agreement": float((host.argmax(-1) == ref.argmax(-1)).mean()),
-                "bundle_vs_host_runner_logits": {
-                    "max_abs": round(float(np.abs(emulated - host).max()), 4),
-                    "mean_abs": round(float(np.abs(emulated - host).mean()), 4),
-                    "host_logit_span": round(span, 4),
-                    "top1_agreement": host_agreement,
-                },
-            }
-        )
+    with job.output([bundle_dir / MANIFEST, bundle_dir / REPORT_NAME], since=since) as run:
+        run.figures.update(figures)
     return read_report(job.out_dir)
