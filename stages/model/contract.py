@@ -23,12 +23,12 @@ the KV-shared layers of later parts).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from stages.core.config import PipelineConfig
 from stages.model.geometry import FULL, SLIDING, Geometry
-from stages.model.graphs import GraphKind, calibration_kind, graph_kinds, graph_name, part_name
+from stages.model.graphs import GraphKind, graph_name, part_name
 
 # Masked positions get this additive value (qai-hub-models' Gemma 4 clips its masks to -100 as well);
 # a quantized mask then spans [-100, 0] instead of the whole float range.
@@ -178,38 +178,32 @@ class LutSpec:
 
 # ---- shapes ----
 def cache_slots(geo: Geometry, attention: str, context: int, ar: int) -> int:
-    """Past KV slots a graph of AR tokens sees: the rest of the context, or the sliding window."""
-    return context - ar if attention == FULL else geo.sliding_window
+    """Past KV slots a graph of AR tokens reads from one layer's cache inputs: the rest of the
+    context for full attention, the sliding window (or the rest of the context, where that is less:
+    a layout the plan prices and `check_fits` refuses to build) for sliding attention."""
+    return context - ar if attention == FULL else min(geo.sliding_window, context - ar)
 
 
-def check_fits(geo: Geometry, cfg: PipelineConfig) -> None:
-    """The contract's assumptions about the config, checked before any graph is built."""
+def check_fits(geo: Geometry, context: int, kinds: Sequence[GraphKind]) -> None:
+    """The contract's assumptions about the job, checked before any graph is built: every graph
+    kind's sliding-window cache inputs hold the whole window."""
     uses_sliding = any(layer.attention == SLIDING for layer in geo.layers)
-    for kind in _exported_kinds(cfg):
-        if uses_sliding and cfg.max_context - kind.ar < geo.sliding_window:
+    for kind in kinds:
+        if uses_sliding and context - kind.ar < geo.sliding_window:
             raise ContractError(
-                f"max_context ({cfg.max_context}) minus the {kind.role} AR ({kind.ar}) is smaller than the "
+                f"max_context ({context}) minus the {kind.role} AR ({kind.ar}) is smaller than the "
                 f"sliding window ({geo.sliding_window}); raise max_context to at least "
                 f"{kind.ar + geo.sliding_window}"
             )
 
 
-def _exported_kinds(cfg: PipelineConfig) -> list[GraphKind]:
-    twin = calibration_kind(cfg)
-    return graph_kinds(cfg) + ([twin] if twin else [])
-
-
 def graph_specs(
-    geo: Geometry, cfg: PipelineConfig, parts: list[range], calibration: bool = False
+    geo: Geometry, context: int, parts: Sequence[range], kinds: Sequence[GraphKind]
 ) -> list[GraphSpec]:
-    """Every graph of the job: for each graph kind (prefill, decode), one per part; with `calibration`
-    also the calibration-only twins (what the export stage writes)."""
-    check_fits(geo, cfg)
-    return [
-        part_graph_spec(geo, kind, cfg.max_context, parts, p)
-        for kind in (_exported_kinds(cfg) if calibration else graph_kinds(cfg))
-        for p in range(len(parts))
-    ]
+    """Every graph of a job: for each graph kind, one per part (stages.planning.job.Job.build hands
+    in the shipped kinds and the calibration twin's)."""
+    check_fits(geo, context, kinds)
+    return [part_graph_spec(geo, kind, context, list(parts), p) for kind in kinds for p in range(len(parts))]
 
 
 def part_graph_spec(

@@ -151,13 +151,3 @@ def copy_graph(src: Path, folder: Path) -> Path:
     for f in src.parent.glob(f"{src.name}*"):
         shutil.copyfile(f, folder / f.name)
     return folder / src.name
-
-
-def past_len(geo, attention: str, cfg: PipelineConfig, ar: int) -> int:
-    """KV entries an AR-`ar` graph reads from one layer's cache inputs: the whole context less the
-    call's own rows for full attention, the window (or less) for sliding attention."""
-    from stages.model.geometry import FULL
-
-    if attention == FULL:
-        return cfg.max_context - ar
-    return min(geo.sliding_window, cfg.max_context - ar)

@@ -32,8 +32,9 @@ from typing import Any
 from stages.core.config import PipelineConfig
 from stages.core.precision import usable_precisions
 from stages.core.soc import GIB, MIB
+from stages.model.contract import cache_slots
 from stages.model.geometry import FULL, LINEAR, Geometry, Tensor
-from stages.model.graphs import GraphKind, graph_name, part_name, past_len
+from stages.model.graphs import GraphKind, graph_name, part_name
 from stages.planning.job import Job, part_extras, tensor_bytes, weight_scheme
 
 # The token embedding LUT export writes: ufixed16 rows (stages/export.py).
@@ -244,18 +245,24 @@ def graph_allocation(
         layer = geo.layers[li]
         per_token = 2 * geo.num_kv_heads * layer.head_dim * kv
         if layer.owns_kv:
-            io += per_token * (past_len(geo, layer.attention, cfg, ar) + ar)
+            io += per_token * (cache_slots(geo, layer.attention, cfg.max_context, ar) + ar)
         elif layer.kv_donor not in layers:
             donors_from_outside.add(layer.kv_donor)
     for d in donors_from_outside:
         donor = geo.layers[d]
-        io += 2 * geo.num_kv_heads * donor.head_dim * kv * (past_len(geo, donor.attention, cfg, ar) + ar)
+        io += (
+            2
+            * geo.num_kv_heads
+            * donor.head_dim
+            * kv
+            * (cache_slots(geo, donor.attention, cfg.max_context, ar) + ar)
+        )
     if last:
         io += ar * geo.vocab_size * act
     widest = 0
     for li in layers:
         layer = geo.layers[li]
-        span = past_len(geo, layer.attention, cfg, ar) + ar
+        span = cache_slots(geo, layer.attention, cfg.max_context, ar) + ar
         attention = (
             ar * geo.num_attention_heads * layer.head_dim * act
             + 2 * geo.num_attention_heads * ar * span * act
@@ -281,7 +288,7 @@ def attention_ops(geo: Geometry, cfg: PipelineConfig, ar: int) -> int:
     slot the static-shape graph reads (a masked slot costs what a used one does)."""
     total = 0
     for layer in geo.layers:
-        span = past_len(geo, layer.attention, cfg, ar) + ar
+        span = cache_slots(geo, layer.attention, cfg.max_context, ar) + ar
         total += 2 * 2 * ar * span * geo.num_attention_heads * layer.head_dim
     return total
 
@@ -469,7 +476,7 @@ def _plan_warnings(
 def plan_config(geo: Geometry, cfg: PipelineConfig) -> Plan:
     """The job `cfg` builds on this geometry, priced: what `make plan` and the checks before a run
     price (export prices the job it builds and records, `make_plan`)."""
-    return make_plan(Job.build(geo, cfg), geo, cfg)
+    return make_plan(Job.build(geo, cfg, specs=False), geo, cfg)
 
 
 def make_plan(job: Job, geo: Geometry, cfg: PipelineConfig) -> Plan:
@@ -749,7 +756,7 @@ def quality_rank(cfg: PipelineConfig) -> int:
 def make_layouts(geo: Geometry, cfg: PipelineConfig) -> list[LayoutPlan]:
     out = []
     for variant, how in layout_configs(geo, cfg):
-        job = Job.build(geo, variant)
+        job = Job.build(geo, variant, specs=False)
         plan = make_plan(job, geo, variant)
         phones = [c.phone_ram_gib for c in plan.limits if c.phone_ram_gib]
         decode = min(plan.calls, key=lambda c: c.ar)

@@ -22,7 +22,6 @@ from stages.model.graphs import (
     CALIBRATION_ROLE,
     Binary,
     GraphKind,
-    binary_layout,
     calibration_kind,
     graph_kinds,
     lay_out_binaries,
@@ -74,15 +73,21 @@ class Job:
     binaries: tuple[Binary, ...]  # the context binaries, in Genie's ctx-bins order
 
     @classmethod
-    def build(cls, geo: Geometry, cfg: PipelineConfig) -> Job:
-        """The job of `cfg` on `geo`; raises what the part split and the contract raise."""
+    def build(cls, geo: Geometry, cfg: PipelineConfig, specs: bool = True) -> Job:
+        """The job of `cfg` on `geo`; raises what the part split and the contract raise. specs=False:
+        the job as the plan prices it, without the graphs' I/O specs (nothing priced reads them), so
+        a layout whose graphs the contract refuses to build is still priced."""
         parts = part_layers(geo, cfg)
+        kinds = tuple(graph_kinds(cfg))
+        twin = calibration_kind(cfg)
+        binaries = tuple(lay_out_binaries(kinds, len(parts), cfg.soc_info.weight_sharing))
+        exported = kinds + ((twin,) if twin else ())
         return cls(
             parts=tuple(tuple(r) for r in parts),
-            kinds=tuple(graph_kinds(cfg)),
-            calibration=calibration_kind(cfg),
-            specs=tuple(graph_specs(geo, cfg, parts, calibration=True)),
-            binaries=tuple(binary_layout(cfg)),
+            kinds=kinds,
+            calibration=twin,
+            specs=tuple(graph_specs(geo, cfg.max_context, parts, exported)) if specs else (),
+            binaries=binaries,
         )
 
     def on_soc(self, soc: Soc) -> Job:

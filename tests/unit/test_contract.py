@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from stages.core.config import load_config
-from stages.model.contract import ContractError, graph_specs
+from stages.model.contract import ContractError
 from stages.model.geometry import TINY_TEXT_CONFIG, e2b_geometry, geometry_from_config
 from stages.planning.fitting import plan_config
-from stages.planning.job import part_layers
+from stages.planning.job import Job
 
 HOST_INPUTS = {
     "inputs_embeds",
@@ -31,7 +31,7 @@ def _original():
 def e2b_specs():
     cfg = _original()
     geo = e2b_geometry()
-    return graph_specs(geo, cfg, part_layers(geo, cfg))
+    return list(Job.build(geo, cfg).shipped_specs)
 
 
 def _shapes(spec):
@@ -96,7 +96,9 @@ def test_context_must_leave_room_for_the_window():
     geo = geometry_from_config(TINY_TEXT_CONFIG)
     cfg = load_config("tiny", {"max_context": 20, "prefill_ar": 16})
     with pytest.raises(ContractError, match="at least 24"):
-        graph_specs(geo, cfg, part_layers(geo, cfg))
+        Job.build(geo, cfg)
+    # The plan still prices it (a layout table prices variants no export builds).
+    assert Job.build(geo, cfg, specs=False).specs == ()
 
 
 def test_sampling_greedy_top_k_top_p_and_seeded_temperature():

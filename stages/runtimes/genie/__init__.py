@@ -24,16 +24,15 @@ class GenieRuntime:
     def layout_problems(self, cfg: PipelineConfig, geo) -> list[str]:
         """A graph call as wide as a sliding-window group's past or wider: Genie 2.51 never writes
         that group's cache (rules.window_not_written, measured with the real libGenie.so)."""
-        from stages.model.contract import CACHE_PREFIX
+        from stages.model.contract import CACHE_PREFIX, cache_slots
         from stages.model.geometry import SLIDING
-        from stages.model.graphs import past_len
         from stages.runtimes.genie.rules import window_not_written
 
         if not any(layer.attention == SLIDING for layer in geo.layers):
             return []
         problems = []
         for ar in sorted({cfg.prefill_ar, cfg.decode_ar}):
-            slots = past_len(geo, SLIDING, cfg, ar)
+            slots = cache_slots(geo, SLIDING, cfg.max_context, ar)
             if ar >= slots:
                 problems.append(window_not_written(CACHE_PREFIX[SLIDING], ar, slots))
         return problems

@@ -1,0 +1,29 @@
+"""Issue 34's measure, run: the pipeline config followed through the export stage as a parameter
+(stages/tools/config_walk.py). The job is worked out once (stages/planning/job.py) and priced once
+(stages/planning/fitting.py), so the walk visits each module once, in the layers' order, and never
+climbs back into one it has left."""
+
+from __future__ import annotations
+
+import pytest
+
+from stages.tools.config_walk import Walk, export_walk
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_config_walks_through_export_one_way():
+    walk = export_walk("tiny")
+    assert walk.returns == [], walk.text()
+    assert len(walk.modules) <= 8, walk.text()
+    modules = walk.modules
+    # Worked out once, then priced: the job before the plan, and nothing derives it again after.
+    assert modules.index("planning/job.py") < modules.index("planning/fitting.py"), walk.text()
+    entered = {name for _, names in walk.stays for name in names}
+    assert {"build", "make_plan"} <= entered and "binary_layout" not in entered, walk.text()
+
+
+def test_a_return_is_counted():
+    walk = Walk([("a.py", ["f"]), ("b.py", ["g"]), ("a.py", ["h"]), ("c.py", ["i"]), ("b.py", ["j"])])
+    assert walk.returns == ["a.py", "b.py"] and walk.modules == ["a.py", "b.py", "c.py"]
+    assert walk.text().startswith("5 stays in 3 modules, 2 returns")
