@@ -193,7 +193,6 @@ def compile_local(
     `graphs` is [(graph name, prepared .onnx path)]. Returns the binary's figures.
     """
 
-    import onnx
     import onnxruntime as ort
     import onnxruntime_qnn
 
@@ -229,27 +228,47 @@ def compile_local(
         try:
             ort.InferenceSession(_model_source(path), so)
         except Exception as e:  # onnxruntime raises its own Fail/RuntimeException classes
-            detail = str(e)
-            if "fallback to CPU EP has been explicitly disabled" in detail:
-                nodes = _nodes_left_on_cpu(path, devices, options, work)
-                detail = f"the HTP cannot take these nodes: {', '.join(nodes[:20]) or '(unknown)'}"
-            elif "QNN_COMMON_ERROR_MEM_ALLOC" in detail:
-                # QNN says MEM_ALLOC also when its graph optimizer cannot build an op it made itself
-                # (docs/facts.md §4); only its verbose log tells which.
-                causes = _compiler_log_errors(path, options, work)
-                if causes:
-                    detail += "; the compiler's log: " + "; ".join(causes)
-            estimate = COMPILER_ESTIMATE.search(detail)
-            if estimate:  # the compiler's own figure, which it prints only when it refuses
-                detail = (
-                    f"the compiler estimates {estimate.group(1)} KB, over its limit of {estimate.group(2)} "
-                    "KB per context: raise num_shards (`g4v69 plan` prices each binary)"
-                )
+            detail = _why_refused(str(e), path, devices, options, work)
             raise CompileError(
                 f"{name}: onnxruntime-qnn could not compile it for soc_model {soc_model} / "
                 f"v{htp_arch}: {detail}"
             ) from None
         contexts.append((name, ctx, round(time.perf_counter() - t0, 3)))
+    figures = _one_binary(binary_file, contexts, work, Path(out_dir))
+    shutil.rmtree(work)
+    figures["compile_s"] = round(time.perf_counter() - started, 3)
+    figures["peak_rss_bytes"] = process_peak_rss_bytes()
+    return figures
+
+
+def _why_refused(detail: str, path: str, devices, options: dict[str, str], work: Path) -> str:
+    """onnxruntime-qnn's refusal, made actionable: the nodes the HTP cannot take, the compiler log's
+    causes of a MEM_ALLOC, or its own allocation estimate against its per-context limit."""
+    if "fallback to CPU EP has been explicitly disabled" in detail:
+        nodes = _nodes_left_on_cpu(path, devices, options, work)
+        detail = f"the HTP cannot take these nodes: {', '.join(nodes[:20]) or '(unknown)'}"
+    elif "QNN_COMMON_ERROR_MEM_ALLOC" in detail:
+        # QNN says MEM_ALLOC also when its graph optimizer cannot build an op it made itself
+        # (docs/facts.md §4); only its verbose log tells which.
+        causes = _compiler_log_errors(path, options, work)
+        if causes:
+            detail += "; the compiler's log: " + "; ".join(causes)
+    estimate = COMPILER_ESTIMATE.search(detail)
+    if estimate:  # the compiler's own figure, which it prints only when it refuses
+        detail = (
+            f"the compiler estimates {estimate.group(1)} KB, over its limit of {estimate.group(2)} "
+            "KB per context: raise num_shards (`g4v69 plan` prices each binary)"
+        )
+    return detail
+
+
+def _one_binary(
+    binary_file: str, contexts: list[tuple[str, Path, float]], work: Path, out_dir: Path
+) -> dict[str, Any]:
+    """Each graph's EP context checked to be one HTP partition, all of them in one context binary,
+    moved to out_dir as `binary_file`; the binary's figures."""
+    import onnx
+
     figures: dict[str, Any] = {"file": binary_file, "graphs": []}
     bins = set()
     for name, ctx, seconds in contexts:
@@ -270,10 +289,7 @@ def compile_local(
         raise CompileError(
             f"{binary_file}: expected one context binary, onnxruntime-qnn wrote {sorted(bins)}"
         )
-    os.replace(work / bins.pop(), Path(out_dir) / binary_file)
-    shutil.rmtree(work)
-    figures["compile_s"] = round(time.perf_counter() - started, 3)
-    figures["peak_rss_bytes"] = process_peak_rss_bytes()
+    os.replace(work / bins.pop(), out_dir / binary_file)
     return figures
 
 
@@ -465,7 +481,6 @@ def run_compile(
     cfg: PipelineConfig, workdir: Path, jobs: int | None = None, aihub_module: Any = None
 ) -> dict[str, Any]:
     """The whole stage; returns its report. Bad input raises CompileError and leaves nothing."""
-    from stages.core.progress import tqdm
 
     soc = cfg.soc_info
     quantized, sources = _load_quantized(workdir)
@@ -489,47 +504,13 @@ def run_compile(
         allocations = {b.file: binary_allocation([models[g] for g in b.graphs]) for b in layout}
         del models
         started = time.perf_counter()
-        if cfg.compiler == "local":
-            qairt = qairt_version_of_onnxruntime_qnn()
-            if not qairt.startswith(cfg.qairt_version + "."):
-                raise CompileError(
-                    f"qairt_version={cfg.qairt_version}, but onnxruntime-qnn here bundles QAIRT {qairt}; "
-                    "set QAIRT_VERSION to match or use COMPILER=aihub"
-                )
-            workers = jobs or parallel_compiles(list(sizes.values()))
-            figures = _compile_all_local(soc, layout, paths, run.dir, workers, tqdm)
-            backend = {"name": "local", "qairt_version": qairt, "parallel": workers}
-        else:
-            ledger = workdir / ".g4v69" / "aihub_jobs.json"
-            try:
-                figures, qairt = compile_aihub(cfg, layout, paths, run.dir, ledger, aihub_module)
-            except AihubError as e:
-                raise CompileError(str(e)) from None
-            shutil.copy2(ledger, run.dir / "aihub_jobs.json")
-            backend = {"name": "aihub", "qairt_version": qairt, "device": soc.aihub_device}
+        # Local compiles at once: `jobs`, or as many as the CPUs and the memory of the largest allow.
+        workers = jobs or (parallel_compiles(list(sizes.values())) if cfg.compiler == "local" else 1)
+        figures, backend = _compile_binaries(cfg, layout, paths, run.dir, workdir, workers, aihub_module)
         shutil.rmtree(prepared_dir)
         for b, fig in zip(layout, figures, strict=True):
-            path = run.dir / b.file
-            for gf in fig["graphs"]:
-                if "qnn_graph_name" in gf:  # AI Hub does not report its graph names
-                    gf["qnn_graph_name"] = rename_graph(path, gf["qnn_graph_name"], b.part, cfg.num_shards)
-            io_names = [t for g in b.graphs for d in ("inputs", "outputs") for t in encodings[g][d]]
-            fig.update(check_binary(path, soc, io_names))
-            fig.update(
-                part=b.part,
-                weight_shared=b.weight_shared,
-                weight_bytes=sizes[b.file],
-                # Ours (weights + I/O): the compiler prints its own estimate only when it refuses.
-                estimated_allocation_bytes=allocations[b.file],
-                allocation_limit_bytes=soc.limits.context_allocation.bytes,
-                bytes=path.stat().st_size,
-                sha256=sha256_file(path),
-            )
-            for gf in fig["graphs"]:
-                gf["io"] = {
-                    d: {t: e.to_dict() for t, e in encodings[gf["name"]][d].items()}
-                    for d in encodings[gf["name"]]
-                }
+            sized = (sizes[b.file], allocations[b.file])
+            _check_and_record(fig, b, run.dir / b.file, soc, len(quantized.job.parts), encodings, sized)
         run.figures.update(
             {
                 "soc": soc.name,
@@ -543,6 +524,72 @@ def run_compile(
             }
         )
     return read_report(job.out_dir)
+
+
+def _compile_binaries(
+    cfg: PipelineConfig,
+    layout: list[Binary],
+    paths: dict[str, Path],
+    out: Path,
+    workdir: Path,
+    workers: int,
+    aihub_module: Any,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every binary by the config's compiler: here with onnxruntime-qnn (its QAIRT must be the
+    config's), or on AI Hub (its jobs in a ledger, so a rerun picks them up). (each binary's figures,
+    the backend's record)."""
+    from stages.core.progress import tqdm
+
+    soc = cfg.soc_info
+    if cfg.compiler == "local":
+        qairt = qairt_version_of_onnxruntime_qnn()
+        if not qairt.startswith(cfg.qairt_version + "."):
+            raise CompileError(
+                f"qairt_version={cfg.qairt_version}, but onnxruntime-qnn here bundles QAIRT {qairt}; "
+                "set QAIRT_VERSION to match or use COMPILER=aihub"
+            )
+        figures = _compile_all_local(soc, layout, paths, out, workers, tqdm)
+        return figures, {"name": "local", "qairt_version": qairt, "parallel": workers}
+    ledger = workdir / ".g4v69" / "aihub_jobs.json"
+    try:
+        figures, qairt = compile_aihub(cfg, layout, paths, out, ledger, aihub_module)
+    except AihubError as e:
+        raise CompileError(str(e)) from None
+    shutil.copy2(ledger, out / "aihub_jobs.json")
+    return figures, {"name": "aihub", "qairt_version": qairt, "device": soc.aihub_device}
+
+
+def _check_and_record(
+    fig: dict[str, Any],
+    b: Binary,
+    path: Path,
+    soc: Soc,
+    n_parts: int,
+    encodings: dict[str, Any],
+    sized: tuple[int, int],
+) -> None:
+    """A compiled binary checked (`check_binary`: its I/O tensor names, its SoC) and its figures
+    completed: graph names as Genie reads them, part, weight bytes and estimated allocation (`sized`),
+    size, hash, every graph's I/O encodings."""
+    for gf in fig["graphs"]:
+        if "qnn_graph_name" in gf:  # AI Hub does not report its graph names
+            gf["qnn_graph_name"] = rename_graph(path, gf["qnn_graph_name"], b.part, n_parts)
+    io_names = [t for g in b.graphs for d in ("inputs", "outputs") for t in encodings[g][d]]
+    fig.update(check_binary(path, soc, io_names))
+    fig.update(
+        part=b.part,
+        weight_shared=b.weight_shared,
+        weight_bytes=sized[0],
+        # Ours (weights + I/O): the compiler prints its own estimate only when it refuses.
+        estimated_allocation_bytes=sized[1],
+        allocation_limit_bytes=soc.limits.context_allocation.bytes,
+        bytes=path.stat().st_size,
+        sha256=sha256_file(path),
+    )
+    for gf in fig["graphs"]:
+        gf["io"] = {
+            d: {t: e.to_dict() for t, e in encodings[gf["name"]][d].items()} for d in encodings[gf["name"]]
+        }
 
 
 def _compile_all_local(soc: Soc, layout: list[Binary], paths: dict[str, Path], out: Path, workers: int, tqdm):

@@ -189,13 +189,85 @@ def _relative(path: Path, root: Path) -> str:
         return str(path.resolve())
 
 
-def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
-    """The whole stage; returns the report. Raises ExportError (or CheckpointError) on bad input,
-    leaving no output folder behind."""
-    from stages.core.progress import tqdm
+def _priced_job(cfg: PipelineConfig, ckpt: Checkpoint, checkpoint_dir: Path):
+    """The job of this config on the checkpoint, worked out once and priced as it will be built:
+    refused here, before anything is written, when the runtime cannot run its layout, a binary would
+    be over the SoC's per-context limit, or the checkpoint lacks a tensor. (job, plan)."""
     from stages.model.graphs import PartitionError
     from stages.planning.fitting import make_plan, over_context_limit
 
+    geo = ckpt.geometry
+    try:
+        job = Job.build(geo, cfg)
+    except (PartitionError, ValueError) as e:
+        raise ExportError(str(e)) from None
+    # After the graphs' own shape rules (a context too small for the window says so first).
+    refused = get_runtime(cfg.runtime).layout_problems(cfg, geo)
+    if refused:
+        raise ExportError(refused[0])
+    plan = make_plan(job, geo, cfg)
+    too_big = over_context_limit(geo, cfg, plan)
+    if too_big:
+        raise ExportError(too_big)
+    missing = [t.name for t in geo.all_tensors() if ckpt.prefix + t.name not in ckpt.files]
+    if missing:
+        raise ExportError(f"{checkpoint_dir}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
+    return job, plan
+
+
+def _export_graphs(
+    ckpt: Checkpoint, job: Job, out_dir: Path
+) -> tuple[list[dict[str, Any]], dict[str, tuple[dict[str, Any], Any]]]:
+    """Every graph of the job into out_dir, a part at a time: at most one part's weights are held in
+    float32. (each graph's figures, the checkpoint's stored grids of the weights they hold)."""
+    from stages.core.progress import tqdm
+    from stages.model.decoder import matmul_layout, part_weight_names
+
+    geo = ckpt.geometry
+    graphs: list[dict[str, Any]] = []
+    carried: dict[str, tuple[dict[str, Any], Any]] = {}
+    progress = tqdm(total=len(job.specs), desc="export graphs", unit="graph")
+    for p in range(len(job.parts)):
+        part_specs = [s for s in job.specs if s.part == p + 1]
+        names = part_weight_names(geo, part_specs[0])
+        weights = {n: matmul_layout(ckpt.tensor(n)) for n in names}
+        carried.update(carried_grids(ckpt, names))
+        for spec in part_specs:
+            path = out_dir / f"{spec.name}.onnx"
+            figures = export_graph(geo, spec, weights, path)
+            graphs.append({"name": spec.name, "onnx": path.name, "spec": spec.to_dict(), **figures})
+            progress.update(1)
+        del weights
+        gc.collect()
+    progress.close()
+    return graphs, carried
+
+
+def _write_luts(cfg: PipelineConfig, ckpt: Checkpoint, lut_dir: Path) -> dict[str, LutSpec]:
+    """The host LUTs: the token embedding (times sqrt(hidden)) as ufixed16, and the per-layer
+    embedding table (times sqrt(ple_dim)) at the config's ple_lut_bits."""
+    geo = ckpt.geometry
+    lut_dir.mkdir()
+    luts = {
+        "embedding": write_lut(
+            ckpt, geo.embedding.name, geo.hidden_size**0.5, 16, lut_dir / "embedding_ufixed16.bin"
+        )
+    }
+    if geo.ple_table is not None:
+        bits = cfg.ple_lut_bits
+        luts["per_layer_embedding"] = write_lut(
+            ckpt,
+            geo.ple_table.name,
+            geo.ple_dim**0.5,
+            bits,
+            lut_dir / f"per_layer_embedding_ufixed{bits}.bin",
+        )
+    return luts
+
+
+def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict[str, Any]:
+    """The whole stage; returns the report. Raises ExportError (or CheckpointError) on bad input,
+    leaving no output folder behind."""
     if read_report(checkpoint_dir) is None:
         raise ExportError(
             f"{checkpoint_dir} is not a complete download (no {REPORT_NAME}); run `make download` first"
@@ -203,65 +275,13 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     stage = StageJob("export", cfg, workdir)
     stage.check([checkpoint_dir])
     ckpt = Checkpoint(checkpoint_dir)
-    geo = ckpt.geometry
-    try:
-        job = Job.build(geo, cfg)
-    except (PartitionError, ValueError) as e:
-        raise ExportError(str(e)) from None
-    parts, specs = job.parts, job.specs
-    # After the graphs' own shape rules (a context too small for the window says so first).
-    refused = get_runtime(cfg.runtime).layout_problems(cfg, geo)
-    if refused:
-        raise ExportError(refused[0])
-    # The job is priced as built, so a part the compiler would refuse is refused before anything is.
-    plan = make_plan(job, geo, cfg)
-    too_big = over_context_limit(geo, cfg, plan)
-    if too_big:
-        raise ExportError(too_big)
-    weight_files = sorted(set(ckpt.files.values()))
-    missing = [t.name for t in geo.all_tensors() if ckpt.prefix + t.name not in ckpt.files]
-    if missing:
-        raise ExportError(f"{checkpoint_dir}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
-
-    inputs = [checkpoint_dir / "config.json", *weight_files]
-    from stages.model.decoder import matmul_layout, part_weight_names
-
+    job, plan = _priced_job(cfg, ckpt, checkpoint_dir)
+    inputs = [checkpoint_dir / "config.json", *sorted(set(ckpt.files.values()))]
     # Each graph holds its part's weights in float32 (E2B: 18.2 GB of graphs + 3.2 GB of LUTs).
-    need = 4 * sum(p.params for p in plan.parts) * len(specs) // len(parts) + sum(plan.luts.values())
+    need = 4 * sum(p.params for p in plan.parts) * len(job.specs) // len(job.parts) + sum(plan.luts.values())
     with stage.output(inputs, need) as run:
-        graphs: list[dict[str, Any]] = []
-        carried: dict[str, tuple[dict[str, Any], Any]] = {}
-        progress = tqdm(total=len(specs), desc="export graphs", unit="graph")
-        for p in range(len(parts)):
-            part_specs = [s for s in specs if s.part == p + 1]
-            names = part_weight_names(geo, part_specs[0])
-            weights = {n: matmul_layout(ckpt.tensor(n)) for n in names}
-            carried.update(carried_grids(ckpt, names))
-            for spec in part_specs:
-                path = run.dir / f"{spec.name}.onnx"
-                figures = export_graph(geo, spec, weights, path)
-                graphs.append({"name": spec.name, "onnx": path.name, "spec": spec.to_dict(), **figures})
-                progress.update(1)
-            del weights
-            gc.collect()
-        progress.close()
-
-        lut_dir = run.dir / "luts"
-        lut_dir.mkdir()
-        luts = {
-            "embedding": write_lut(
-                ckpt, geo.embedding.name, geo.hidden_size**0.5, 16, lut_dir / "embedding_ufixed16.bin"
-            )
-        }
-        if geo.ple_table is not None:
-            bits = cfg.ple_lut_bits
-            luts["per_layer_embedding"] = write_lut(
-                ckpt,
-                geo.ple_table.name,
-                geo.ple_dim**0.5,
-                bits,
-                lut_dir / f"per_layer_embedding_ufixed{bits}.bin",
-            )
+        graphs, carried = _export_graphs(ckpt, job, run.dir)
+        luts = _write_luts(cfg, ckpt, run.dir / "luts")
         if carried:
             # A compressed-tensors checkpoint's scales, for quantize to keep its grid as stored: the
             # graphs hold integer x scale exactly, so the integers are read back from them.
@@ -282,7 +302,7 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
                         "layers": list(r),
                         "params": next(g["params"] for g in graphs if g["spec"]["part"] == i + 1),
                     }
-                    for i, r in enumerate(parts)
+                    for i, r in enumerate(job.parts)
                 ],
                 "graphs": graphs,
                 "luts": {k: {**asdict(v), "path": f"luts/{v.path}"} for k, v in luts.items()},

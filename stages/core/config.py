@@ -395,7 +395,20 @@ def _at_least(name: str, value: int, minimum: int, why: str = "") -> None:
 
 
 def validate(cfg: PipelineConfig) -> PipelineConfig:
-    """Return cfg with normalised names, or raise ConfigError for the first bad field."""
+    """Return cfg with normalised names, or raise ConfigError for the first bad field (in this order:
+    the model and target, the graphs' shape, the tools, the calibration, the weights, the floors and
+    targets)."""
+    cfg = _checked_target(cfg)
+    _check_graph_shape(cfg)
+    _check_tools(cfg)
+    _check_calibration(cfg)
+    _check_weights(cfg)
+    _check_floors_and_targets(cfg)
+    return cfg
+
+
+def _checked_target(cfg: PipelineConfig) -> PipelineConfig:
+    """The model, its revision, the SoC (its name normalised) and a precision that runs on it."""
     if not (cfg.model in BUILTIN_MODELS or is_repo_id(cfg.model) or _FOLDER_NAME.match(cfg.model)):
         raise ConfigError(
             "model",
@@ -421,6 +434,11 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
             f"{cfg.precision} cannot run on {soc.name} ({soc.dsp_arch}); "
             f"allowed values for {soc.name}: {', '.join(allowed)}",
         )
+    return cfg
+
+
+def _check_graph_shape(cfg: PipelineConfig) -> None:
+    """The context, the graph kinds' ARs, the calibration twin's and the number of parts."""
     _at_least("max_context", cfg.max_context, 2)
     _at_least("decode_ar", cfg.decode_ar, 1)
     _at_least("prefill_ar", cfg.prefill_ar, 1)
@@ -440,11 +458,19 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
             f"{cfg.calibration_ar} is out of range; allowed values: 0..{cfg.max_context - 1} (0: no twin)",
         )
     _at_least("num_shards", cfg.num_shards, 1)
+
+
+def _check_tools(cfg: PipelineConfig) -> None:
+    """The verify engine, the compiler, the runtime and the QAIRT version."""
     _one_of("verify_engine", cfg.verify_engine, list(VERIFY_ENGINES))
     _one_of("compiler", cfg.compiler, COMPILERS)
     _one_of("runtime", cfg.runtime, list(RUNTIMES))
     if not _QAIRT_VERSION.match(cfg.qairt_version):
         raise ConfigError("qairt_version", f"{cfg.qairt_version!r} is not a version like 2.51")
+
+
+def _check_calibration(cfg: PipelineConfig) -> None:
+    """The calibration text and what each quantize pass reads of it."""
     _one_of("calibration_dataset", cfg.calibration_dataset, CALIBRATION_DATASETS)
     _at_least("calibration_samples", cfg.calibration_samples, 1)
     _at_least("calibration_tokens", cfg.calibration_tokens, 2)
@@ -463,6 +489,11 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
             f"{cfg.calibration_tokens} is less than one call of the calibration twin graphs "
             f"(calibration_ar {cfg.calibration_ar}); raise it or lower calibration_ar",
         )
+
+
+def _check_weights(cfg: PipelineConfig) -> None:
+    """How the weights, the PLE, the LUTs and the KV cache are stored."""
+    soc = cfg.soc_info
     _one_of("ple_policy", cfg.ple_policy, PLE_POLICIES)
     _one_of("ple_lut_bits", cfg.ple_lut_bits, PLE_LUT_BITS)
     _one_of("kv_bits", cfg.kv_bits, KV_BITS)
@@ -484,6 +515,16 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
             f"{cfg.int8_percent} needs a mixed precision ({mixed}); {cfg.precision} has one scheme for "
             "every decoder weight; allowed values here: 0",
         )
+    if cfg.kv_bits == "16" and not soc.matmul_16x16:
+        raise ConfigError(
+            "kv_bits",
+            f"16-bit KV needs a 16x16 activation matmul, which {soc.name} ({soc.dsp_arch}) lacks; "
+            "allowed values here: auto, 8",
+        )
+
+
+def _check_floors_and_targets(cfg: PipelineConfig) -> None:
+    """Quantize's quality floors and the layout rule's targets."""
     for width in ("w8", "w4"):
         top1, kl = f"min_top1_agreement_{width}", f"max_kl_divergence_{width}"
         if not 0 <= getattr(cfg, top1) <= 1:
@@ -496,13 +537,6 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
     for name in ("max_ttft_s", "min_decode_tokens_per_s"):
         if not 0 < getattr(cfg, name) < math.inf:
             raise ConfigError(name, f"{getattr(cfg, name)} is out of range; allowed values: a number > 0")
-    if cfg.kv_bits == "16" and not soc.matmul_16x16:
-        raise ConfigError(
-            "kv_bits",
-            f"16-bit KV needs a 16x16 activation matmul, which {soc.name} ({soc.dsp_arch}) lacks; "
-            "allowed values here: auto, 8",
-        )
-    return cfg
 
 
 def preset_path(preset: str | Path) -> Path:

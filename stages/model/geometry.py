@@ -306,35 +306,12 @@ def geometry_from_config(config: dict[str, Any]) -> Geometry:
     """The geometry of a Gemma 4 config.json (multimodal or text-only), in every form transformers
     writes or Google publishes; a value no form gives is a GeometryError naming the field."""
     cfg = text_config_of(config)
-    if cfg.get("enable_moe_block"):
-        raise GeometryError("MoE Gemma 4 variants are not supported; use an E2B/E4B-style config")
-    if cfg.get("attention_k_eq_v"):
-        raise GeometryError(
-            "attention_k_eq_v is true (full-attention keys double as values, as in the larger Gemma 4 "
-            "models); this pipeline handles E2B/E4B-style attention only"
-        )
-    if cfg.get("use_bidirectional_attention") == "all":
-        raise GeometryError("use_bidirectional_attention is 'all': not a causal language model")
-    for tied in (config.get("tie_word_embeddings"), cfg.get("tie_word_embeddings")):
-        if tied is False:
-            raise GeometryError(
-                "tie_word_embeddings is false: this pipeline's lm_head is the embedding table, as in every "
-                "published Gemma 4"
-            )
+    _refuse_unsupported(config, cfg)
     hidden = _require(cfg, "hidden_size")
     n_layers = _require(cfg, "num_hidden_layers")
     n_heads = _require(cfg, "num_attention_heads")
     vocab = _require(cfg, "vocab_size")
-    layer_types = list(cfg.get("layer_types") or [])
-    if not layer_types:
-        layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n_layers)]
-    if len(layer_types) != n_layers:
-        raise GeometryError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
-    odd = sorted(set(layer_types) - {SLIDING, FULL})
-    if odd:
-        raise GeometryError(f"layer_types holds {odd[0]!r}; Gemma 4 layers are {SLIDING} or {FULL}")
-    # transformers turns the last layer into a full-attention one whatever the config says.
-    layer_types[-1] = FULL
+    layer_types = _layer_types(cfg, n_layers)
     head_dims, n_kv = _attention_shapes(cfg, layer_types)
     n_shared = cfg.get("num_kv_shared_layers") or 0
     donors = kv_donors(layer_types, n_shared)
@@ -352,46 +329,12 @@ def geometry_from_config(config: dict[str, Any]) -> Geometry:
         num_key_value_heads=n_kv,
         num_kv_shared_layers=n_shared,
     )
-
     layers = []
     for i, kind in enumerate(layer_types):
-        hd = head_dims[i]
         owns = donors[i] == i
         width = inters[i] * (2 if cfg.get("use_double_wide_mlp") and not owns else 1)
-        p = f"layers.{i}."
-        ts = [
-            Tensor(p + "self_attn.q_proj.weight", (n_heads * hd, hidden), LINEAR),
-            Tensor(p + "self_attn.q_norm.weight", (hd,), NORM),
-        ]
-        if owns:
-            ts += [
-                Tensor(p + "self_attn.k_proj.weight", (n_kv * hd, hidden), LINEAR),
-                Tensor(p + "self_attn.v_proj.weight", (n_kv * hd, hidden), LINEAR),
-                Tensor(p + "self_attn.k_norm.weight", (hd,), NORM),
-            ]
-        ts += [
-            Tensor(p + "self_attn.o_proj.weight", (hidden, n_heads * hd), LINEAR),
-            Tensor(p + "mlp.gate_proj.weight", (width, hidden), LINEAR),
-            Tensor(p + "mlp.up_proj.weight", (width, hidden), LINEAR),
-            Tensor(p + "mlp.down_proj.weight", (hidden, width), LINEAR),
-        ]
-        ts += [
-            Tensor(p + f"{norm}.weight", (hidden,), NORM)
-            for norm in (
-                "input_layernorm",
-                "post_attention_layernorm",
-                "pre_feedforward_layernorm",
-                "post_feedforward_layernorm",
-            )
-        ]
-        ts.append(Tensor(p + "layer_scalar", (1,), NORM))
-        if ple_dim:
-            ts += [
-                Tensor(p + "per_layer_input_gate.weight", (ple_dim, hidden), PLE),
-                Tensor(p + "per_layer_projection.weight", (hidden, ple_dim), PLE),
-                Tensor(p + "post_per_layer_input_norm.weight", (hidden,), NORM),
-            ]
-        layers.append(Layer(i, kind, hd, width, donors[i], tuple(ts)))
+        shapes = (hidden, n_heads, n_kv, head_dims[i], width, ple_dim)
+        layers.append(Layer(i, kind, head_dims[i], width, donors[i], _layer_tensors(i, owns, *shapes)))
 
     ple_table = None
     ple_projection: tuple[Tensor, ...] = ()
@@ -410,6 +353,80 @@ def geometry_from_config(config: dict[str, Any]) -> Geometry:
         ple_projection=ple_projection,
         final_norm=Tensor("norm.weight", (hidden,), NORM),
     )
+
+
+def _refuse_unsupported(config: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """The Gemma 4 variants this pipeline does not build, named by the field that says so."""
+    if cfg.get("enable_moe_block"):
+        raise GeometryError("MoE Gemma 4 variants are not supported; use an E2B/E4B-style config")
+    if cfg.get("attention_k_eq_v"):
+        raise GeometryError(
+            "attention_k_eq_v is true (full-attention keys double as values, as in the larger Gemma 4 "
+            "models); this pipeline handles E2B/E4B-style attention only"
+        )
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise GeometryError("use_bidirectional_attention is 'all': not a causal language model")
+    for tied in (config.get("tie_word_embeddings"), cfg.get("tie_word_embeddings")):
+        if tied is False:
+            raise GeometryError(
+                "tie_word_embeddings is false: this pipeline's lm_head is the embedding table, as in every "
+                "published Gemma 4"
+            )
+
+
+def _layer_types(cfg: dict[str, Any], n_layers: int) -> list[str]:
+    """Each layer's attention kind: the config's, or Gemma 4's default pattern (every sixth full)."""
+    layer_types = list(cfg.get("layer_types") or [])
+    if not layer_types:
+        layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n_layers)]
+    if len(layer_types) != n_layers:
+        raise GeometryError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+    odd = sorted(set(layer_types) - {SLIDING, FULL})
+    if odd:
+        raise GeometryError(f"layer_types holds {odd[0]!r}; Gemma 4 layers are {SLIDING} or {FULL}")
+    # transformers turns the last layer into a full-attention one whatever the config says.
+    layer_types[-1] = FULL
+    return layer_types
+
+
+def _layer_tensors(
+    i: int, owns: bool, hidden: int, n_heads: int, n_kv: int, hd: int, width: int, ple_dim: int
+) -> tuple[Tensor, ...]:
+    """Layer i's weights as the checkpoint names them (a KV-shared layer has no K/V projections)."""
+    p = f"layers.{i}."
+    ts = [
+        Tensor(p + "self_attn.q_proj.weight", (n_heads * hd, hidden), LINEAR),
+        Tensor(p + "self_attn.q_norm.weight", (hd,), NORM),
+    ]
+    if owns:
+        ts += [
+            Tensor(p + "self_attn.k_proj.weight", (n_kv * hd, hidden), LINEAR),
+            Tensor(p + "self_attn.v_proj.weight", (n_kv * hd, hidden), LINEAR),
+            Tensor(p + "self_attn.k_norm.weight", (hd,), NORM),
+        ]
+    ts += [
+        Tensor(p + "self_attn.o_proj.weight", (hidden, n_heads * hd), LINEAR),
+        Tensor(p + "mlp.gate_proj.weight", (width, hidden), LINEAR),
+        Tensor(p + "mlp.up_proj.weight", (width, hidden), LINEAR),
+        Tensor(p + "mlp.down_proj.weight", (hidden, width), LINEAR),
+    ]
+    ts += [
+        Tensor(p + f"{norm}.weight", (hidden,), NORM)
+        for norm in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        )
+    ]
+    ts.append(Tensor(p + "layer_scalar", (1,), NORM))
+    if ple_dim:
+        ts += [
+            Tensor(p + "per_layer_input_gate.weight", (ple_dim, hidden), PLE),
+            Tensor(p + "per_layer_projection.weight", (hidden, ple_dim), PLE),
+            Tensor(p + "post_per_layer_input_norm.weight", (hidden,), NORM),
+        ]
+    return tuple(ts)
 
 
 def e2b_geometry() -> Geometry:

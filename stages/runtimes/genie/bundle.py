@@ -482,17 +482,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     if missing:
         raise BundleError(f"missing inputs: {', '.join(missing)}; run the stage that makes them again")
     io = _io(compiled)
-    problems = [f"genie_config.json{e}" for e in schema_errors(genie, _schema("genie_config"))]
-    problems += [
-        f"htp_backend_ext_config.json{e}" for e in schema_errors(htp_ext, _schema("htp_backend_ext_config"))
-    ]
-    from stages.model.checkpoint import Checkpoint
-
-    problems += consistency_errors(genie, files, io, Checkpoint(checkpoint_dir).geometry)
-    if not problems:
-        problems += genie_validator_errors(genie)
-    if problems:
-        raise BundleError("the rendered configs are wrong:\n  " + "\n  ".join(problems))
+    _check_configs(genie, htp_ext, files, io, checkpoint_dir)
     feeds = lut_feeds(genie, io)
     for feed in feeds:
         if feed["mode"] == REQUANTIZE:
@@ -518,34 +508,7 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
         keep_readme = job.out_dir / "README.md"
         if keep_readme.is_file():
             shutil.copy2(keep_readme, run.dir / "README.md")
-        listed = sorted(p for p in run.dir.iterdir() if p.name not in (MANIFEST, REPORT_NAME, "README.md"))
-        manifest = {
-            "name": bundle_name(cfg),
-            "soc": cfg.soc,
-            "soc_model": cfg.soc_info.soc_model,
-            "dsp_arch": cfg.soc_info.dsp_arch,
-            "qairt_version": compiled.backend.qairt_version,
-            "genie_config": GENIE_CONFIG,
-            "htp_backend_ext_config": HTP_EXT_CONFIG,
-            "binaries": context["ctx_bins"],
-            "checkpoint": {
-                "model": cfg.model,
-                "revision": download.figures.get("revision", cfg.model_revision),
-                "files": [f for f in download.outputs if f.get("path") != REPORT_NAME],
-            },
-            "config": cfg.to_dict(),
-            "compiler": compiled.backend.name,
-            "tool_versions": {
-                stage: (StageReport.read(d) or StageReport(stage)).tool_versions
-                for stage, d in (
-                    ("export", export_dir),
-                    ("quantize", output_dir(workdir, "quantize")),
-                    ("compile", compiled_dir),
-                )
-            },
-            "lock_sha256": _lock_hashes(),
-            "files": [{"path": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in listed],
-        }
+        manifest = _manifest(cfg, workdir, run.dir, compiled, context["ctx_bins"], download)
         _write_json(run.dir / MANIFEST, manifest)
         run.figures.update(
             {
@@ -558,6 +521,64 @@ def run_bundle(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
             }
         )
     return read_report(job.out_dir)
+
+
+def _check_configs(
+    genie: dict[str, Any], htp_ext: dict[str, Any], files: dict[str, Path], io, checkpoint_dir: Path
+) -> None:
+    """The rendered configs against their schemas, the graphs and files they name, and Genie's own
+    validator (where libGenie.so is installed); BundleError listing every problem."""
+    from stages.model.checkpoint import Checkpoint
+
+    problems = [f"genie_config.json{e}" for e in schema_errors(genie, _schema("genie_config"))]
+    problems += [
+        f"htp_backend_ext_config.json{e}" for e in schema_errors(htp_ext, _schema("htp_backend_ext_config"))
+    ]
+    problems += consistency_errors(genie, files, io, Checkpoint(checkpoint_dir).geometry)
+    if not problems:
+        problems += genie_validator_errors(genie)
+    if problems:
+        raise BundleError("the rendered configs are wrong:\n  " + "\n  ".join(problems))
+
+
+def _manifest(
+    cfg: PipelineConfig,
+    workdir: Path,
+    folder: Path,
+    compiled: CompileResult,
+    ctx_bins: list[str],
+    download: StageReport,
+) -> dict[str, Any]:
+    """manifest.json: what the bundle is for and was built from, and every file with its hash."""
+    export_dir, compiled_dir = output_dir(workdir, "export"), output_dir(workdir, "compile")
+    listed = sorted(p for p in folder.iterdir() if p.name not in (MANIFEST, REPORT_NAME, "README.md"))
+    return {
+        "name": bundle_name(cfg),
+        "soc": cfg.soc,
+        "soc_model": cfg.soc_info.soc_model,
+        "dsp_arch": cfg.soc_info.dsp_arch,
+        "qairt_version": compiled.backend.qairt_version,
+        "genie_config": GENIE_CONFIG,
+        "htp_backend_ext_config": HTP_EXT_CONFIG,
+        "binaries": ctx_bins,
+        "checkpoint": {
+            "model": cfg.model,
+            "revision": download.figures.get("revision", cfg.model_revision),
+            "files": [f for f in download.outputs if f.get("path") != REPORT_NAME],
+        },
+        "config": cfg.to_dict(),
+        "compiler": compiled.backend.name,
+        "tool_versions": {
+            stage: (StageReport.read(d) or StageReport(stage)).tool_versions
+            for stage, d in (
+                ("export", export_dir),
+                ("quantize", output_dir(workdir, "quantize")),
+                ("compile", compiled_dir),
+            )
+        },
+        "lock_sha256": _lock_hashes(),
+        "files": [{"path": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in listed],
+    }
 
 
 def _schema(name: str) -> dict[str, Any]:
