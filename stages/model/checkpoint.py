@@ -358,8 +358,6 @@ def validate_checkpoint(
     which transformers drops silently) and anything else (unused_tensors, which it drops with a
     warning). With `remote`, sizes and LFS sha256 values are compared too.
     """
-    from safetensors import safe_open
-
     folder = Path(folder)
     if files is None:
         on_disk = sorted(p.name for p in folder.iterdir() if p.is_file())
@@ -387,18 +385,7 @@ def validate_checkpoint(
     if not weights:
         raise CheckpointError(f"no *.safetensors weights in {folder}")
 
-    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
-    for path in weights:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    shapes[key] = (tuple(sl.get_shape()), str(sl.get_dtype()))
-        except Exception as e:  # safetensors raises its own SafetensorError (and OSError, ValueError)
-            raise CheckpointError(
-                f"{path} is not a readable safetensors file, truncated or corrupt ({str(e).splitlines()[0]})"
-            ) from None
-
+    shapes = _stored_shapes(weights)
     qconfig = quantization_config(config)
     if qconfig is not None:
         shapes = _logical_shapes(shapes, CompressedLayout(qconfig), weights)
@@ -434,6 +421,24 @@ def validate_checkpoint(
         dtypes=tuple(sorted(dtypes)),
         text_prefix=prefix,
     )
+
+
+def _stored_shapes(weights: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor's shape and dtype as the safetensors headers give them (nothing is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path in weights:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    shapes[key] = (tuple(sl.get_shape()), str(sl.get_dtype()))
+        except Exception as e:  # safetensors raises its own SafetensorError (and OSError, ValueError)
+            raise CheckpointError(
+                f"{path} is not a readable safetensors file, truncated or corrupt ({str(e).splitlines()[0]})"
+            ) from None
+    return shapes
 
 
 def _logical_shapes(

@@ -479,6 +479,27 @@ def plan_config(geo: Geometry, cfg: PipelineConfig) -> Plan:
     return make_plan(Job.build(geo, cfg, specs=False), geo, cfg)
 
 
+def _call_costs(
+    job: Job, geo: Geometry, cfg: PipelineConfig, parts: list[PartPlan], allocations: dict[str, Allocation]
+) -> tuple[list[CallCost], list[CallCost]]:
+    """The roofline of one call of each of the job's graph kinds, and of one call at each AR of
+    LAYOUT_ARS: a call reads every part's weights and I/O (the KV cache at full context)."""
+    in_graphs = sum(p.params for p in parts)
+
+    def calls_at(kind: GraphKind) -> CallCost:
+        names = [graph_name(kind, i, len(parts)) for i in range(1, len(parts) + 1)]
+        allocs = [
+            allocations[n]
+            if n in allocations
+            else graph_allocation(geo, cfg, r, i == len(parts), kind.ar, p.bytes)
+            for i, (n, r, p) in enumerate(zip(names, job.part_ranges, parts, strict=True), start=1)
+        ]
+        return call_cost(geo, cfg, kind, in_graphs, allocs)
+
+    calls = [calls_at(kind) for kind in job.kinds]
+    return calls, [calls_at(GraphKind("any", ar)) for ar in LAYOUT_ARS if ar < cfg.max_context]
+
+
 def make_plan(job: Job, geo: Geometry, cfg: PipelineConfig) -> Plan:
     """A job priced on its geometry at its config's precision and SoC: its parts, graphs and binaries
     (`_part_plans`, `_graph_plans`, `_binary_plans`), memory, each graph kind's call cost, the limits
@@ -499,25 +520,11 @@ def make_plan(job: Job, geo: Geometry, cfg: PipelineConfig) -> Plan:
     device = sum(b.weight_bytes for b in binaries) + host_side
     mapped = sum(b.estimated_allocation for b in binaries)
 
-    # Each graph kind's call reads every part's weights and I/O (the KV cache at full context); the
-    # smallest AR decodes (one token per call), the largest takes the prompt.
     in_graphs = sum(p.params for p in parts)
-
-    def calls_at(kind: GraphKind) -> CallCost:
-        names = [graph_name(kind, i, len(parts)) for i in range(1, len(parts) + 1)]
-        allocs = [
-            allocations[n]
-            if n in allocations
-            else graph_allocation(geo, cfg, r, i == len(parts), kind.ar, p.bytes)
-            for i, (n, r, p) in enumerate(zip(names, bounds, parts, strict=True), start=1)
-        ]
-        return call_cost(geo, cfg, kind, in_graphs, allocs)
-
-    calls = [calls_at(kind) for kind in job.kinds]
+    calls, by_ar = _call_costs(job, geo, cfg, parts, allocations)
+    # The smallest AR decodes (one token per call), the largest takes the prompt.
     decode = min(calls, key=lambda c: c.ar)
     prefill = max(calls, key=lambda c: c.ar)
-    by_ar = [calls_at(GraphKind("any", ar)) for ar in LAYOUT_ARS if ar < cfg.max_context]
-
     param_counts = {
         "total": geo.total_params,
         "embedding": geo.embedding.numel,

@@ -68,9 +68,19 @@ def run_checks(cfg: PipelineConfig, workdir: Path) -> list[Check]:
                 f"(fine with RUNNER=docker; for RUNNER=local run `make venv`)",
             )
         )
+    checks += _docker_check()
+    checks += _disk_check(cfg, workdir)
+    checks += _credential_checks(cfg)
+    checks += _phone_checks()
+    return checks
+
+
+def _docker_check() -> list[Check]:
+    """A Docker engine that answers (RUNNER=docker)."""
+    out: list[Check] = []
     docker = shutil.which("docker")
     if docker is None:
-        checks.append(Check("docker", "warn", "no docker client; only RUNNER=local works"))
+        out.append(Check("docker", "warn", "no docker client; only RUNNER=local works"))
     else:
         try:
             r = subprocess.run(
@@ -83,16 +93,22 @@ def run_checks(cfg: PipelineConfig, workdir: Path) -> list[Check]:
             detail = f"engine {r.stdout.strip()}" if ok else "client present, engine not answering"
         except subprocess.TimeoutExpired:
             ok, detail = False, "engine did not answer within 20 s"
-        checks.append(Check("docker", "ok" if ok else "warn", detail))
+        out.append(Check("docker", "ok" if ok else "warn", detail))
+    return out
+
+
+def _disk_check(cfg: PipelineConfig, workdir: Path) -> list[Check]:
+    """Free disk in WORKDIR against the plan's model of a full run."""
+    out: list[Check] = []
     existing = workdir.resolve()
     while not existing.exists():
         existing = existing.parent
     free = shutil.disk_usage(existing).free
     need = disk_need_bytes(cfg, workdir)
     if need is None:
-        checks.append(Check("disk", "ok", f"{free / 1e9:.0f} GB free in {workdir}"))
+        out.append(Check("disk", "ok", f"{free / 1e9:.0f} GB free in {workdir}"))
     else:
-        checks.append(
+        out.append(
             Check(
                 "disk",
                 "ok" if free >= need else "warn",
@@ -100,8 +116,14 @@ def run_checks(cfg: PipelineConfig, workdir: Path) -> list[Check]:
                 f"{need / 1e9:.0f} GB",
             )
         )
+    return out
+
+
+def _credential_checks(cfg: PipelineConfig) -> list[Check]:
+    """HF_TOKEN for a gated model, an AI Hub token for COMPILER=aihub."""
+    out: list[Check] = []
     if not cfg.is_builtin_model:
-        checks.append(
+        out.append(
             Check(
                 "HF_TOKEN",
                 "ok" if os.environ.get("HF_TOKEN") else "warn",
@@ -113,34 +135,40 @@ def run_checks(cfg: PipelineConfig, workdir: Path) -> list[Check]:
     if cfg.compiler == "aihub":
         ini = Path(os.environ.get("QAIHUB_CLIENT_INI", Path.home() / ".qai_hub" / "client.ini"))
         have = bool(os.environ.get("QAI_HUB_API_TOKEN")) or ini.is_file()
-        checks.append(
+        out.append(
             Check(
                 "AI Hub token",
                 "ok" if have else "missing",
                 "found" if have else "set QAI_HUB_API_TOKEN or run `qai-hub configure`",
             )
         )
+    return out
+
+
+def _phone_checks() -> list[Check]:
+    """What `make push` and `make run` need: the QAIRT runtime libraries and adb."""
+    out: list[Check] = []
     sdk = os.environ.get("QNN_SDK_ROOT")
     if not sdk:
-        checks.append(Check("QNN_SDK_ROOT", "warn", "not set; needed only by `make push`"))
+        out.append(Check("QNN_SDK_ROOT", "warn", "not set; needed only by `make push`"))
     else:
         libdir = Path(sdk) / "lib" / "aarch64-android"
         absent = [lib for lib in QAIRT_RUNTIME_LIBS if not (libdir / lib).is_file()]
-        checks.append(
+        out.append(
             Check(
                 "QNN_SDK_ROOT",
                 "ok" if not absent else "missing",
                 f"{sdk}" if not absent else f"{libdir} lacks {', '.join(absent)}",
             )
         )
-    checks.append(
+    out.append(
         Check(
             "adb",
             "ok" if shutil.which("adb") else "warn",
             shutil.which("adb") or "not on PATH; the tools image carries one for `make push`",
         )
     )
-    return checks
+    return out
 
 
 def render_checks(checks: list[Check]) -> str:

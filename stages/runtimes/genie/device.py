@@ -450,8 +450,6 @@ def _human(n: float) -> str:
 def push_bundle(bundle_dir: Path, sdk_root: Path | None, serial: str | None = None, adb: str = "adb") -> dict:
     """Put the bundle and the QAIRT runtime into /data/local/tmp/<name> on the phone, resuming a push
     that was cut short; returns figures about what was sent."""
-    from stages.core.progress import tqdm
-
     started = time.monotonic()
     bundle_dir = Path(bundle_dir)
     manifest = read_manifest(bundle_dir)
@@ -462,7 +460,28 @@ def push_bundle(bundle_dir: Path, sdk_root: Path | None, serial: str | None = No
         print(f"warning: {w}", file=sys.stderr)
     remote_dir = f"{REMOTE_ROOT}/{manifest.name}"
     transfers = _plan(bundle_dir, manifest, runtime, remote_dir)
+    todo = _still_to_push(conn, transfers, remote_dir, manifest.name)
+    pushed_bytes = _push(conn, todo, manifest.name)
+    if todo:
+        _check_pushed(conn, transfers, todo)
+    return {
+        "device": device.serial,
+        "model": device.model,
+        "soc": device.props.get("ro.soc.model", ""),
+        "remote_dir": remote_dir,
+        "qairt_sdk": version,
+        "files_pushed": len(todo),
+        "files_skipped": len(transfers) - len(todo),
+        "bytes_pushed": pushed_bytes,
+        "bytes_total": sum(t.size for t in transfers),
+        "seconds": round(time.monotonic() - started, 3),
+        "warnings": device.warnings,
+    }
 
+
+def _still_to_push(conn: Adb, transfers: list[Transfer], remote_dir: str, name: str) -> list[Transfer]:
+    """The transfers whose file is not on the phone yet with its sha256 (a push cut short resumes):
+    stale copies removed first so that df counts their space, and refused when it does not fit."""
     dirs = sorted({t.remote.rsplit("/", 1)[0] for t in transfers})
     r = conn.shell("mkdir -p " + " ".join(shlex.quote(d) for d in dirs))
     if r.returncode != 0:
@@ -471,7 +490,6 @@ def push_bundle(bundle_dir: Path, sdk_root: Path | None, serial: str | None = No
         )
     on_device = remote_hashes(conn, [t.remote for t in transfers])
     todo = [t for t in transfers if on_device.get(t.remote) != t.sha256]
-    # Stale or half-written copies go first, so that df counts their space as free.
     stale = [t.remote for t in todo if t.remote in on_device]
     if stale:
         conn.shell("rm -f " + " ".join(shlex.quote(p) for p in stale))
@@ -479,21 +497,27 @@ def push_bundle(bundle_dir: Path, sdk_root: Path | None, serial: str | None = No
     free = _free_bytes(conn) if todo else 0
     if need > free:
         others = conn.shell(f"ls {REMOTE_ROOT}").stdout.split()
-        others = [o for o in others if o != manifest.name]
+        others = [o for o in others if o != name]
         hint = f"; other folders there: {', '.join(others[:8])}" if others else ""
         raise DeviceError(
             f"not enough space on {conn.serial}: {_human(need)} ({need} bytes) still to push into "
             f"{remote_dir}, {_human(free)} ({free} bytes) free; free some space (e.g. `adb shell rm -r "
             f"{REMOTE_ROOT}/<old folder>`){hint} and run again"
         )
+    return todo
+
+
+def _push(conn: Adb, todo: list[Transfer], name: str) -> int:
+    """adb push of each transfer, with a progress bar by bytes; the bytes pushed."""
+    from stages.core.progress import tqdm
 
     pushed_bytes = 0
     with tqdm(
-        total=need,
+        total=sum(t.size for t in todo),
         unit="B",
         unit_scale=True,
         unit_divisor=1024,
-        desc=f"push {manifest.name}",
+        desc=f"push {name}",
         delay=PUSH_PROGRESS_DELAY_S,
         file=sys.stderr,
         disable=not todo,
@@ -511,32 +535,24 @@ def push_bundle(bundle_dir: Path, sdk_root: Path | None, serial: str | None = No
                 )
             pushed_bytes += t.size
             bar.update(t.size)
-    if todo:
-        executables = [t.remote for t in transfers if t.executable]
-        if executables:
-            conn.shell("chmod 755 " + " ".join(shlex.quote(p) for p in executables))
-        after = remote_hashes(conn, [t.remote for t in todo])
-        bad = [t for t in todo if after.get(t.remote) != t.sha256]
-        if bad:
-            conn.shell("rm -f " + " ".join(shlex.quote(t.remote) for t in bad))
-            names = ", ".join(f"{t.local.name} ({t.remote})" for t in bad)
-            raise DeviceError(
-                f"{names}: the copy on {conn.serial} does not match the local file's sha256 after the push "
-                "(damaged transfer); it was removed; run again, and try another USB cable if it recurs"
-            )
-    return {
-        "device": device.serial,
-        "model": device.model,
-        "soc": device.props.get("ro.soc.model", ""),
-        "remote_dir": remote_dir,
-        "qairt_sdk": version,
-        "files_pushed": len(todo),
-        "files_skipped": len(transfers) - len(todo),
-        "bytes_pushed": pushed_bytes,
-        "bytes_total": sum(t.size for t in transfers),
-        "seconds": round(time.monotonic() - started, 3),
-        "warnings": device.warnings,
-    }
+    return pushed_bytes
+
+
+def _check_pushed(conn: Adb, transfers: list[Transfer], todo: list[Transfer]) -> None:
+    """The runtime's executables made executable, and every pushed file's sha256 checked on the
+    phone; a damaged copy is removed and named."""
+    executables = [t.remote for t in transfers if t.executable]
+    if executables:
+        conn.shell("chmod 755 " + " ".join(shlex.quote(p) for p in executables))
+    after = remote_hashes(conn, [t.remote for t in todo])
+    bad = [t for t in todo if after.get(t.remote) != t.sha256]
+    if bad:
+        conn.shell("rm -f " + " ".join(shlex.quote(t.remote) for t in bad))
+        names = ", ".join(f"{t.local.name} ({t.remote})" for t in bad)
+        raise DeviceError(
+            f"{names}: the copy on {conn.serial} does not match the local file's sha256 after the push "
+            "(damaged transfer); it was removed; run again, and try another USB cable if it recurs"
+        )
 
 
 def _raise_for_adb_error_if_gone(r: subprocess.CompletedProcess[str], conn: Adb) -> None:
