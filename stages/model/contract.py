@@ -209,17 +209,40 @@ def graph_specs(
 def part_graph_spec(
     geo: Geometry, kind: GraphKind, context: int, parts: list[range], index: int
 ) -> GraphSpec:
+    """The I/O of part `index`'s graph of this kind (see the module docstring for the names)."""
     layers = parts[index]
     n_parts = len(parts)
-    t = kind.ar
+    return GraphSpec(
+        name=graph_name(kind, index + 1, n_parts),
+        part=index + 1,
+        num_parts=n_parts,
+        role=kind.role,
+        ar=kind.ar,
+        context=context,
+        layers=tuple(layers),
+        inputs=tuple(_part_inputs(geo, layers, index == 0, kind.ar, context)),
+        outputs=tuple(_part_outputs(geo, layers, index == 0, index == n_parts - 1, kind.ar, context)),
+    )
+
+
+def _kvshare(geo: Geometry, donor: int, t: int, context: int) -> list[TensorSpec]:
+    """A donor layer's whole attention K/V, for the KV-shared layers of later parts."""
+    d = geo.layers[donor]
+    s = cache_slots(geo, d.attention, context, t) + t
+    return [
+        TensorSpec(kvshare_name(donor, "key"), (1, geo.num_kv_heads, d.head_dim, s)),
+        TensorSpec(kvshare_name(donor, "value"), (1, geo.num_kv_heads, s, d.head_dim)),
+    ]
+
+
+def _part_inputs(geo: Geometry, layers: range, first: bool, t: int, context: int) -> list[TensorSpec]:
+    """The hidden state (or the embeddings), the per-layer inputs, masks and RoPE tables of the
+    attention kinds the part holds, donors' K/V from earlier parts, and its own layers' past KV."""
     hidden, n_kv = geo.hidden_size, geo.num_kv_heads
     g_hd, s_hd = geo.config["global_head_dim"], geo.config["head_dim"]
     kinds_here = {geo.layers[i].attention for i in layers}
-    later = range(layers.stop, geo.num_layers)
-
     inputs: list[TensorSpec] = []
-    outputs: list[TensorSpec] = []
-    if index == 0:
+    if first:
         inputs.append(TensorSpec(INPUTS_EMBEDS, (1, t, hidden)))
         if geo.ple_dim:
             inputs.append(TensorSpec(PER_LAYER_INPUTS, (1, t, geo.num_layers, geo.ple_dim)))
@@ -235,19 +258,10 @@ def part_graph_spec(
         inputs += [TensorSpec(rope_name(FULL, f), (1, 1, t, g_hd // 2)) for f in ("cos", "sin")]
     if SLIDING in kinds_here:
         inputs += [TensorSpec(rope_name(SLIDING, f), (1, 1, t, s_hd // 2)) for f in ("cos", "sin")]
-
-    def kvshare(donor: int) -> list[TensorSpec]:
-        d = geo.layers[donor]
-        s = cache_slots(geo, d.attention, context, t) + t
-        return [
-            TensorSpec(kvshare_name(donor, "key"), (1, n_kv, d.head_dim, s)),
-            TensorSpec(kvshare_name(donor, "value"), (1, n_kv, s, d.head_dim)),
-        ]
-
     # Donors of this part's shared layers that live in earlier parts arrive as inputs.
     for donor in sorted({geo.layers[i].kv_donor for i in layers if not geo.layers[i].owns_kv}):
         if donor < layers.start:
-            inputs += kvshare(donor)
+            inputs += _kvshare(geo, donor, t, context)
     for i in layers:
         layer = geo.layers[i]
         if layer.owns_kv:
@@ -259,37 +273,35 @@ def part_graph_spec(
                 inputs.append(
                     TensorSpec(cache_name(i, layer.attention, "value", h, "in"), (1, 1, s, layer.head_dim))
                 )
+    return inputs
 
-    if index == n_parts - 1:
+
+def _part_outputs(
+    geo: Geometry, layers: range, first: bool, last: bool, t: int, context: int
+) -> list[TensorSpec]:
+    """The logits (last part) or the hidden state and the per-layer embeddings for the next parts,
+    the K/V of donors later parts share, and its own layers' new KV entries."""
+    outputs: list[TensorSpec] = []
+    if last:
         outputs.append(TensorSpec(LOGITS, (1, t, geo.vocab_size)))
     else:
-        outputs.append(TensorSpec(hidden_name(layers.stop), (1, t, hidden)))
-        if index == 0 and geo.ple_dim:
+        outputs.append(TensorSpec(hidden_name(layers.stop), (1, t, geo.hidden_size)))
+        if first and geo.ple_dim:
             outputs.append(TensorSpec(PER_LAYER_EMBEDS, (1, t, geo.num_layers, geo.ple_dim)))
     # A donor's K/V leaves the part that made it once; every later part that needs it reads that one
     # tensor by name, so nothing is passed through.
+    later = range(layers.stop, geo.num_layers)
     for donor in sorted({geo.layers[i].kv_donor for i in later if not geo.layers[i].owns_kv}):
         if donor in layers:
-            outputs += kvshare(donor)
+            outputs += _kvshare(geo, donor, t, context)
     for i in layers:
         layer = geo.layers[i]
         if layer.owns_kv:
-            for h in range(n_kv):
+            for h in range(geo.num_kv_heads):
                 outputs.append(
                     TensorSpec(cache_name(i, layer.attention, "key", h, "out"), (1, 1, layer.head_dim, t))
                 )
                 outputs.append(
                     TensorSpec(cache_name(i, layer.attention, "value", h, "out"), (1, 1, t, layer.head_dim))
                 )
-
-    return GraphSpec(
-        name=graph_name(kind, index + 1, n_parts),
-        part=index + 1,
-        num_parts=n_parts,
-        role=kind.role,
-        ar=t,
-        context=context,
-        layers=tuple(layers),
-        inputs=tuple(inputs),
-        outputs=tuple(outputs),
-    )
+    return outputs

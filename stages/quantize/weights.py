@@ -608,6 +608,47 @@ def lpbq_block(scheme, rows: int) -> int:
     return min(scheme.block_size, rows)
 
 
+def _replace_init(graph, inits: dict[str, Any], name: str, tensor) -> None:
+    graph.initializer.remove(inits[name])
+    tensor.name = name
+    graph.initializer.append(tensor)
+    inits[name] = tensor
+
+
+def _write_lpbq(graph, inits: dict[str, Any], dq, done):
+    """A 4-bit weight written as LPBQ, in the pattern onnxruntime-qnn's LPBQ fusion takes: UINT8
+    block scales (nb, out) under a per-channel float scale (axis 1, zero points 0) feeding the INT4
+    weight's blockwise DequantizeLinear (axis 0, block_size, zero points 0). Returns the block-scale
+    DequantizeLinear node, to go right before the weight's."""
+    from onnx import helper, numpy_helper
+
+    q_name, s_name, zp_name = dq.input[0], dq.input[1], dq.input[2]
+    q, q_scale, channel = done.q, done.block_scales, done.scale
+    block = q.shape[0] // q_scale.shape[0]  # the scheme's, or a kept grid's group
+    base = q_name.removesuffix("_quantized")
+    block_scales = f"{base}_block_scales"
+    for suffix, arr in (
+        ("_block_scales_q", q_scale),
+        ("_channel_scale", channel),
+        ("_block_scales_zero_point", np.zeros(channel.shape, np.uint8)),
+    ):
+        graph.initializer.append(numpy_helper.from_array(arr, base + suffix))
+    node = helper.make_node(
+        "DequantizeLinear",
+        [base + "_block_scales_q", base + "_channel_scale", base + "_block_scales_zero_point"],
+        [block_scales],
+        name=f"{base}_block_scales_DequantizeLinear",
+        axis=1,
+    )
+    _replace_init(graph, inits, q_name, _int4_tensor(q_name, q))
+    graph.initializer.remove(inits.pop(s_name))
+    _replace_init(graph, inits, zp_name, _int4_tensor(zp_name, np.zeros(q_scale.shape, np.int8)))
+    dq.input[1] = block_scales
+    del dq.attribute[:]
+    dq.attribute.extend([helper.make_attribute("axis", 0), helper.make_attribute("block_size", block)])
+    return node
+
+
 def apply_weight_scheme(
     cfg: PipelineConfig,
     qmodel,
@@ -617,19 +658,12 @@ def apply_weight_scheme(
     """Rewrite the int8 weight DequantizeLinear of every MatMul whose scheme is 4-bit (`float_weights`:
     MatMul node name -> its float (in, out) weight; `rounder`: the weights rounded already, and which
     a mixed precision keeps at int8). Returns how many weights were rewritten."""
-    from onnx import helper, numpy_helper
+    from onnx import numpy_helper
 
     graph = qmodel.graph
     inits = {i.name: i for i in graph.initializer}
     producer = {o: n for n in graph.node for o in n.output}
     rewritten, new_nodes = 0, {}
-
-    def replace_init(name: str, tensor) -> None:
-        graph.initializer.remove(inits[name])
-        tensor.name = name
-        graph.initializer.append(tensor)
-        inits[name] = tensor
-
     for node in graph.node:
         if node.op_type != "MatMul" or node.name not in float_weights:
             continue
@@ -651,39 +685,11 @@ def apply_weight_scheme(
         done = rounder.rounded.get(_weight_name(dq)) if rounder else None
         done = done or WeightRounder(cfg, None).round_weight(_weight_name(dq), w)
         if not scheme.blockwise:
-            q, scale = done.q, done.scale
-            replace_init(q_name, _int4_tensor(q_name, q))
-            replace_init(s_name, numpy_helper.from_array(scale))
-            replace_init(zp_name, _int4_tensor(zp_name, np.zeros(scale.shape, np.int8)))
+            _replace_init(graph, inits, q_name, _int4_tensor(q_name, done.q))
+            _replace_init(graph, inits, s_name, numpy_helper.from_array(done.scale))
+            _replace_init(graph, inits, zp_name, _int4_tensor(zp_name, np.zeros(done.scale.shape, np.int8)))
         else:
-            q, q_scale, channel = done.q, done.block_scales, done.scale
-            block = q.shape[0] // q_scale.shape[0]  # the scheme's, or a kept grid's group
-            # The pattern onnxruntime-qnn's LPBQ fusion takes: UINT8 block scales (nb, out) under a
-            # per-channel float scale (axis 1, zero points 0) feeding the INT4 weight's blockwise
-            # DequantizeLinear (axis 0, block_size, zero points 0).
-            base = q_name.removesuffix("_quantized")
-            block_scales = f"{base}_block_scales"
-            for suffix, arr in (
-                ("_block_scales_q", q_scale),
-                ("_channel_scale", channel),
-                ("_block_scales_zero_point", np.zeros(channel.shape, np.uint8)),
-            ):
-                graph.initializer.append(numpy_helper.from_array(arr, base + suffix))
-            new_nodes[dq.name] = helper.make_node(
-                "DequantizeLinear",
-                [base + "_block_scales_q", base + "_channel_scale", base + "_block_scales_zero_point"],
-                [block_scales],
-                name=f"{base}_block_scales_DequantizeLinear",
-                axis=1,
-            )
-            replace_init(q_name, _int4_tensor(q_name, q))
-            graph.initializer.remove(inits.pop(s_name))
-            replace_init(zp_name, _int4_tensor(zp_name, np.zeros(q_scale.shape, np.int8)))
-            dq.input[1] = block_scales
-            del dq.attribute[:]
-            dq.attribute.extend(
-                [helper.make_attribute("axis", 0), helper.make_attribute("block_size", block)]
-            )
+            new_nodes[dq.name] = _write_lpbq(graph, inits, dq, done)
         rewritten += 1
     if new_nodes:  # each block-scale DQ goes right before the weight DQ that reads it
         nodes = []
