@@ -145,36 +145,7 @@ def to_markdown(result: dict[str, Any], command: str) -> str:
         "",
     ]
     lines += passes_markdown(result.get("quantize_passes"))
-    verified = result.get("verify")
-    if verified:
-        calls = verified.get("calls") or {}
-        lines += [
-            f"Verify ({verified['engine']} engine): {calls.get('calls', '?')} graph calls on the "
-            f"{calls.get('engine', '?')} engine ({calls.get('engine_s', 0) / 60:.1f} min), then "
-            f"{len(verified['htp_replay_calls'])} calls replayed through the "
-            f"{verified['binaries_executed_on_htp']} ctx-bins on the HTP emulation "
-            f"({(verified['htp_replay_s'] or 0) / 60:.1f} min; "
-            f"{len(verified['htp_replay_skipped_for_time'])} skipped for time):",
-            "",
-            "| replayed call | AR | tokens | past | HTP emulation | worst output SQNR |",
-            "|---|---|---|---|---|---|",
-        ]
-        for c in verified["htp_replay_calls"]:
-            lines.append(
-                f"| {c['replay']} | {c['ar']} | {c['n_process']} | {c['n_past']} | {c['seconds']:.0f} s | "
-                f"{c['worst_sqnr_db']:.1f} dB |"
-            )
-        lines.append("")
-        real = verified.get("real_genie")
-        if real:
-            queries = ", ".join(
-                f"{case} {t:.0f} s (status {real['statuses'][case]})" for case, t in real["query_s"].items()
-            )
-            lines += [
-                f"The real Genie (libGenie.so, x86 HTP emulation): loaded in {real['create_s']:.1f} s; "
-                f"{queries}; peak RSS {real['peak_rss_bytes'] / GIB:.2f} GiB.",
-                "",
-            ]
+    lines += _verify_markdown(result.get("verify"))
     lines += [
         "| graph | export | quantize | compile | compile peak RSS | ONNX (float32) | binary |",
         "|---|---|---|---|---|---|---|",
@@ -189,31 +160,72 @@ def to_markdown(result: dict[str, Any], command: str) -> str:
             _fmt(g, "binary_bytes", 1e6, "{:.0f} MB"),
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    plan = result.get("plan")
-    if plan:
-        lines += ["", "Plan (`g4v69 plan --json`) beside the measured:", ""]
-        parts = plan.get("parts", [])
-        precision = plan.get("config", {}).get("precision", "?")
-        # The v69 limit applies per context binary: the largest estimated allocation of the part's binaries.
-        allocation: dict[str, int] = {}
-        for b in plan.get("binaries", []):
-            allocation[b["part"]] = max(allocation.get(b["part"], 0), b["estimated_allocation"])
-        lines.append(
-            f"| part | layers | planned params | planned bytes ({precision}) | estimated allocation |"
-        )
-        lines.append("|---|---|---|---|---|")
-        for p in parts:
-            alloc = allocation.get(p["name"])
-            lines.append(
-                f"| {p['name']} | {', '.join(p.get('holds', []))} | {p['params'] / 1e6:.0f} M | "
-                f"{p['bytes'] / 1e9:.2f} GB | {f'{alloc / GIB:.2f} GiB' if alloc else '-'} |"
-            )
-        lines.append("")
-        lines.append(
-            f"Planned device memory {plan['device_bytes'] / GIB:.1f} GiB; decode ceiling "
-            f"{plan['decode_tokens_per_s_ceiling']:.1f} tokens/s."
-        )
+    lines += _plan_markdown(result.get("plan"))
     return "\n".join(lines) + "\n"
+
+
+def _verify_markdown(verified: dict[str, Any] | None) -> list[str]:
+    """The verify stage's engine calls, its HTP replay and the real Genie's run."""
+    if not verified:
+        return []
+    lines: list[str] = []
+    calls = verified.get("calls") or {}
+    lines += [
+        f"Verify ({verified['engine']} engine): {calls.get('calls', '?')} graph calls on the "
+        f"{calls.get('engine', '?')} engine ({calls.get('engine_s', 0) / 60:.1f} min), then "
+        f"{len(verified['htp_replay_calls'])} calls replayed through the "
+        f"{verified['binaries_executed_on_htp']} ctx-bins on the HTP emulation "
+        f"({(verified['htp_replay_s'] or 0) / 60:.1f} min; "
+        f"{len(verified['htp_replay_skipped_for_time'])} skipped for time):",
+        "",
+        "| replayed call | AR | tokens | past | HTP emulation | worst output SQNR |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in verified["htp_replay_calls"]:
+        lines.append(
+            f"| {c['replay']} | {c['ar']} | {c['n_process']} | {c['n_past']} | {c['seconds']:.0f} s | "
+            f"{c['worst_sqnr_db']:.1f} dB |"
+        )
+    lines.append("")
+    real = verified.get("real_genie")
+    if real:
+        queries = ", ".join(
+            f"{case} {t:.0f} s (status {real['statuses'][case]})" for case, t in real["query_s"].items()
+        )
+        lines += [
+            f"The real Genie (libGenie.so, x86 HTP emulation): loaded in {real['create_s']:.1f} s; "
+            f"{queries}; peak RSS {real['peak_rss_bytes'] / GIB:.2f} GiB.",
+            "",
+        ]
+    return lines
+
+
+def _plan_markdown(plan: dict[str, Any] | None) -> list[str]:
+    """The plan's parts beside the measured."""
+    if not plan:
+        return []
+    lines: list[str] = []
+    lines += ["", "Plan (`g4v69 plan --json`) beside the measured:", ""]
+    parts = plan.get("parts", [])
+    precision = plan.get("config", {}).get("precision", "?")
+    # The v69 limit applies per context binary: the largest estimated allocation of the part's binaries.
+    allocation: dict[str, int] = {}
+    for b in plan.get("binaries", []):
+        allocation[b["part"]] = max(allocation.get(b["part"], 0), b["estimated_allocation"])
+    lines.append(f"| part | layers | planned params | planned bytes ({precision}) | estimated allocation |")
+    lines.append("|---|---|---|---|---|")
+    for p in parts:
+        alloc = allocation.get(p["name"])
+        lines.append(
+            f"| {p['name']} | {', '.join(p.get('holds', []))} | {p['params'] / 1e6:.0f} M | "
+            f"{p['bytes'] / 1e9:.2f} GB | {f'{alloc / GIB:.2f} GiB' if alloc else '-'} |"
+        )
+    lines.append("")
+    lines.append(
+        f"Planned device memory {plan['device_bytes'] / GIB:.1f} GiB; decode ceiling "
+        f"{plan['decode_tokens_per_s_ceiling']:.1f} tokens/s."
+    )
+    return lines
 
 
 def passes_markdown(passes: list[dict[str, Any]] | None) -> list[str]:
