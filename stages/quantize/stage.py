@@ -494,6 +494,43 @@ def _figures(
     }
 
 
+def _calibration_samples(
+    cfg: PipelineConfig,
+    checkpoint_dir: Path,
+    calibration_files: list[Path] | None,
+    workdir: Path,
+    length: int,
+) -> list[list[int]]:
+    """The calibration text as token samples of `length`, each starting with the model's BOS."""
+    from stages.model.chat import ChatTokenizer
+    from stages.model.checkpoint import Checkpoint
+    from stages.quant.calibration import load_texts, token_samples
+
+    tok = ChatTokenizer(checkpoint_dir)
+    bos = Checkpoint(checkpoint_dir).geometry.config.get("bos_token_id", 2)
+    texts = load_texts(cfg, "calibration", calibration_files, workdir)
+    return token_samples(texts, tok.encode, bos, cfg.calibration_sequences, length)
+
+
+def _judged(
+    cfg: PipelineConfig, main: QuantizedGraphs, export_dir: Path, eval_samples, decode_steps: int
+) -> dict[str, Any]:
+    """The quantized graphs' quality on held-out text (timed as the evaluation pass); QuantizeError
+    where they break the rules, disagree on a KV encoding, or fall below the preset's floor for this
+    precision (then nothing is kept)."""
+    from stages.quant.quality import below_floor
+
+    if main.problems:
+        raise QuantizeError("the quantized graphs break the rules: " + "; ".join(main.problems[:5]))
+    _check_kv_encodings_agree(main)
+    with main.clock.run("evaluation", tokens_of(eval_samples), len(eval_samples), "sample"):
+        quality = _quality(cfg, export_dir, main, eval_samples, decode_steps)
+    below = below_floor(cfg, quality)
+    if below:
+        raise QuantizeError(below)
+    return quality
+
+
 def run_quantize(
     cfg: PipelineConfig,
     workdir: Path,
@@ -509,9 +546,6 @@ def run_quantize(
     import dataclasses
     import tempfile
 
-    from stages.model.chat import ChatTokenizer
-    from stages.quant.calibration import load_texts, token_samples
-
     calibration_providers = _providers(provider)
     exported = require_result(workdir, "export", ExportResult, QuantizeError)
     export_dir = exported.folder
@@ -523,14 +557,9 @@ def run_quantize(
         )
     job = StageJob("quantize", cfg, workdir)
     job.check([export_dir, checkpoint_dir])
-    from stages.model.checkpoint import Checkpoint
-
-    tok = ChatTokenizer(checkpoint_dir)
-    bos = Checkpoint(checkpoint_dir).geometry.config.get("bos_token_id", 2)
     twin = exported.job.calibration
     length = sample_length(cfg)
-    texts = load_texts(cfg, "calibration", calibration_files, workdir)
-    samples = token_samples(texts, tok.encode, bos, cfg.calibration_sequences, length)
+    samples = _calibration_samples(cfg, checkpoint_dir, calibration_files, workdir, length)
     eval_samples, decode_steps = heldout_samples(cfg, checkpoint_dir, workdir)
     inputs = [export_dir / REPORT_NAME, *graph_files.values()]
     # QDQ graphs at the weight bits, plus one float graph's calibration copies at a time.
@@ -552,17 +581,7 @@ def run_quantize(
             )
 
         main = quantize_with(cfg, run.dir)
-        if main.problems:
-            raise QuantizeError("the quantized graphs break the rules: " + "; ".join(main.problems[:5]))
-        _check_kv_encodings_agree(main)
-        with main.clock.run("evaluation", tokens_of(eval_samples), len(eval_samples), "sample"):
-            quality = {cfg.ple_policy: _quality(cfg, export_dir, main, eval_samples, decode_steps)}
-        # The absolute floor (the preset's, for this precision): below it nothing is kept.
-        from stages.quant.quality import below_floor
-
-        below = below_floor(cfg, quality[cfg.ple_policy])
-        if below:
-            raise QuantizeError(below)
+        quality = {cfg.ple_policy: _judged(cfg, main, export_dir, eval_samples, decode_steps)}
 
         def quality_of(other_cfg: PipelineConfig, scratch: Path) -> dict[str, Any]:
             with tempfile.TemporaryDirectory(dir=scratch) as tmp:
