@@ -481,7 +481,6 @@ def run_compile(
     cfg: PipelineConfig, workdir: Path, jobs: int | None = None, aihub_module: Any = None
 ) -> dict[str, Any]:
     """The whole stage; returns its report. Bad input raises CompileError and leaves nothing."""
-
     soc = cfg.soc_info
     quantized, sources = _load_quantized(workdir)
     q_dir = quantized.folder
