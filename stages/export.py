@@ -243,9 +243,9 @@ def _export_graphs(
     return graphs, carried
 
 
-def _write_luts(cfg: PipelineConfig, ckpt: Checkpoint, lut_dir: Path) -> dict[str, LutSpec]:
+def _write_luts(ckpt: Checkpoint, ple_lut_bits: int, lut_dir: Path) -> dict[str, LutSpec]:
     """The host LUTs: the token embedding (times sqrt(hidden)) as ufixed16, and the per-layer
-    embedding table (times sqrt(ple_dim)) at the config's ple_lut_bits."""
+    embedding table (times sqrt(ple_dim)) at `ple_lut_bits`."""
     geo = ckpt.geometry
     lut_dir.mkdir()
     luts = {
@@ -254,7 +254,7 @@ def _write_luts(cfg: PipelineConfig, ckpt: Checkpoint, lut_dir: Path) -> dict[st
         )
     }
     if geo.ple_table is not None:
-        bits = cfg.ple_lut_bits
+        bits = ple_lut_bits
         luts["per_layer_embedding"] = write_lut(
             ckpt,
             geo.ple_table.name,
@@ -281,7 +281,7 @@ def run_export(cfg: PipelineConfig, workdir: Path, checkpoint_dir: Path) -> dict
     need = 4 * sum(p.params for p in plan.parts) * len(job.specs) // len(job.parts) + sum(plan.luts.values())
     with stage.output(inputs, need) as run:
         graphs, carried = _export_graphs(ckpt, job, run.dir)
-        luts = _write_luts(cfg, ckpt, run.dir / "luts")
+        luts = _write_luts(ckpt, cfg.ple_lut_bits, run.dir / "luts")
         if carried:
             # A compressed-tensors checkpoint's scales, for quantize to keep its grid as stored: the
             # graphs hold integer x scale exactly, so the integers are read back from them.

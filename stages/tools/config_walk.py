@@ -1,8 +1,9 @@
 """The pipeline config followed through a stage as a parameter (issue 34's measure): every stages/
 function the config enters (called with a `PipelineConfig` among its arguments; the config's own
 methods and comprehensions aside), in the order each is first called. Consecutive functions of one
-module are one stay; a stay in a module the walk has already left is a return. A job worked out once
-and handed on keeps the walk short and one-way.
+module are one stay; a stay in a library module the walk has already left is a return. The stage's
+own module, where the walk starts, drives it: its helpers are listed where they take the config, and
+not counted as returns. A job worked out once and handed on keeps the walk short and one-way.
 
 `python -m stages.tools.config_walk [--preset tiny]` runs download and export of the built-in tiny
 model in a temporary folder under the profiler and prints the walk (about half a minute here).
@@ -34,11 +35,13 @@ class Walk:
 
     @property
     def returns(self) -> list[str]:
-        """The modules the walk enters again after leaving them, once per return."""
+        """The library modules the walk enters again after leaving them, once per return (the stage's
+        own module, the first stay's, drives the walk and is not counted)."""
+        root = self.stays[0][0] if self.stays else None
         seen: set[str] = set()
         back = []
         for module, _ in self.stays:
-            if module in seen:
+            if module in seen and module != root:
                 back.append(module)
             seen.add(module)
         return back
@@ -46,7 +49,7 @@ class Walk:
     def text(self) -> str:
         lines = [
             f"{len(self.stays)} stays in {len(self.modules)} modules, "
-            f"{len(self.returns)} returns to a module already left"
+            f"{len(self.returns)} returns to a library module already left"
             + (f" ({', '.join(self.returns)})" if self.returns else "")
         ]
         lines += [f"  {module}: {', '.join(names)}" for module, names in self.stays]

@@ -24,6 +24,8 @@ def test_the_config_walks_through_export_one_way():
 
 
 def test_a_return_is_counted():
-    walk = Walk([("a.py", ["f"]), ("b.py", ["g"]), ("a.py", ["h"]), ("c.py", ["i"]), ("b.py", ["j"])])
-    assert walk.returns == ["a.py", "b.py"] and walk.modules == ["a.py", "b.py", "c.py"]
-    assert walk.text().startswith("5 stays in 3 modules, 2 returns")
+    """A library module entered again is a return; the stage's own module (the first) drives the walk."""
+    stays = [("s.py", ["run"]), ("b.py", ["g"]), ("s.py", ["h"]), ("c.py", ["i"]), ("b.py", ["j"])]
+    walk = Walk([(m, list(n)) for m, n in stays])
+    assert walk.returns == ["b.py"] and walk.modules == ["s.py", "b.py", "c.py"]
+    assert walk.text().startswith("5 stays in 3 modules, 1 returns")
