@@ -1,7 +1,8 @@
 """Which layers go into which shard, and what the graphs built from them are called.
 
 The export stage cuts the decoder where `partition_layers` says, the compile and bundle stages name
-binaries with `graph_name`/`binary_layout`, the planner prices the same parts: one source for all.
+binaries with `graph_name`/`lay_out_binaries` (through the job, stages.planning.job), the planner
+prices the same parts: one source for all.
 """
 
 from __future__ import annotations
@@ -70,21 +71,15 @@ class Binary:
         return len(self.graphs) > 1
 
 
-def binary_layout(cfg: PipelineConfig) -> list[Binary]:
-    """The context binaries of a config, in bundle order (part 1 first).
+def lay_out_binaries(
+    kinds: list[GraphKind] | tuple[GraphKind, ...], n: int, weight_sharing: bool
+) -> list[Binary]:
+    """The context binaries of the shipped kinds over n parts, in bundle order (part 1 first).
 
     Where the SoC shares weights between graphs (v73+), a part's prefill and decode graphs go into
     one binary `part{i}_of_{N}.bin`; on v69 every graph is its own binary `<graph>.bin`, so the
     weights are stored twice.
     """
-    return lay_out_binaries(graph_kinds(cfg), cfg.num_shards, cfg.soc_info.weight_sharing)
-
-
-def lay_out_binaries(
-    kinds: list[GraphKind] | tuple[GraphKind, ...], n: int, weight_sharing: bool
-) -> list[Binary]:
-    """`binary_layout` from its parts: the shipped kinds, the number of parts and the SoC's weight
-    sharing."""
     layout = []
     for part in range(1, n + 1):
         names = tuple(graph_name(k, part, n) for k in kinds)

@@ -18,7 +18,7 @@ from stages.core.report import IntegrityError
 from stages.core.soc import get_soc
 from stages.model.contract import HIDDEN_PREFIX, PER_LAYER_EMBEDS
 from stages.model.encoding import prepare_io
-from stages.model.graphs import Binary, binary_layout
+from stages.model.graphs import Binary
 from stages.quantize import run_quantize
 from tests.conftest import copy_workdir
 
@@ -266,13 +266,21 @@ def test_v69_fails_an_fp16_norm_into_a_quantized_add_at_ar32_and_says_why(tmp_pa
     compile_local(36, 69, "ar1.bin", [("ar1", str(tmp_path / "ar1.onnx"))], str(tmp_path), False)
 
 
+def _binaries(cfg):
+    """The context binaries of the config's job on the tiny model, as export lays them out."""
+    from stages.model.geometry import builtin_geometry
+    from stages.planning.job import Job
+
+    return list(Job.build(builtin_geometry("tiny"), cfg, specs=False).binaries)
+
+
 def test_layout_follows_the_soc_table():
-    v69 = binary_layout(load_config("tiny"))
+    v69 = _binaries(load_config("tiny"))
     assert [b.graphs for b in v69][:2] == [("prefill_ar4_part1_of_2",), ("decode_ar1_part1_of_2",)]
-    v75 = binary_layout(load_config("tiny", {"soc": "SM8650"}))
+    v75 = _binaries(load_config("tiny", {"soc": "SM8650"}))
     assert [(b.file, b.weight_shared) for b in v75] == [("part1_of_2.bin", True), ("part2_of_2.bin", True)]
     tiny = load_config("tiny")
-    one_size = binary_layout(dataclasses.replace(tiny, decode_ar=tiny.prefill_ar))
+    one_size = _binaries(dataclasses.replace(tiny, decode_ar=tiny.prefill_ar))
     assert [b.file for b in one_size] == ["prefill_ar4_part1_of_2.bin", "prefill_ar4_part2_of_2.bin"]
 
 

@@ -20,7 +20,9 @@ def test_the_config_walks_through_export_one_way():
     # Worked out once, then priced: the job before the plan, and nothing derives it again after.
     assert modules.index("planning/job.py") < modules.index("planning/fitting.py"), walk.text()
     entered = {name for _, names in walk.stays for name in names}
-    assert {"build", "make_plan"} <= entered and "binary_layout" not in entered, walk.text()
+    assert {"build", "part_layers", "make_plan"} <= entered, walk.text()
+    # The plan reads the job's parts: the part split runs once, in the job's stay.
+    assert [m for m, names in walk.stays if "part_layers" in names] == ["planning/job.py"], walk.text()
 
 
 def test_a_return_is_counted():

@@ -17,16 +17,22 @@ from onnx import TensorProto, helper
 
 from stages.aihub import MAX_ATTEMPTS, AihubError, compile_aihub
 from stages.core.config import load_config
-from stages.model.graphs import binary_layout
+from stages.model.geometry import builtin_geometry
+from stages.planning.job import Job
 from tests.conftest import DOUBLES, REPO
 
 TOKEN = "test-token"
 
 
+def _layout(cfg):
+    """The context binaries of the config's job on the tiny model, as export lays them out."""
+    return list(Job.build(builtin_geometry("tiny"), cfg, specs=False).binaries)
+
+
 def _prepared(tmp_path: Path, cfg) -> dict[str, Path]:
     """A small ONNX file per graph of the layout, with I/O named as the graph's would be."""
     out = {}
-    for b in binary_layout(cfg):
+    for b in _layout(cfg):
         for g in b.graphs:
             graph = helper.make_graph(
                 [helper.make_node("Relu", ["inputs_embeds"], [f"{g}_out"])],
@@ -46,7 +52,7 @@ def _run(fake_hub, tmp_path, soc: str = "SM8450"):
     prepared = _prepared(tmp_path, cfg)
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    figures, qairt = compile_aihub(cfg, binary_layout(cfg), prepared, out, tmp_path / "ledger.json", fake_hub)
+    figures, qairt = compile_aihub(cfg, _layout(cfg), prepared, out, tmp_path / "ledger.json", fake_hub)
     return cfg, out, figures, json.loads((tmp_path / "ledger.json").read_text())
 
 
@@ -58,7 +64,7 @@ def token(monkeypatch):
 def test_success_gives_one_binary_per_graph_on_v69(fake_hub, tmp_path, token):
     fake_hub.scenario(devices=fake_hub_devices(), polls_to_finish=3, valid_tokens=[TOKEN])
     cfg, out, figures, ledger = _run(fake_hub, tmp_path)
-    files = [b.file for b in binary_layout(cfg)]
+    files = [b.file for b in _layout(cfg)]
     assert [f["file"] for f in figures] == files
     for f in files:
         data = (out / f).read_bytes()
@@ -157,12 +163,14 @@ from pathlib import Path
 import qai_hub
 from stages.aihub import compile_aihub
 from stages.core.config import load_config
-from stages.model.graphs import binary_layout
+from stages.model.geometry import builtin_geometry
+from stages.planning.job import Job
 tmp = Path(sys.argv[1])
 cfg = load_config("tiny", {"compiler": "aihub"})
 prepared = {p.stem: p for p in tmp.glob("*.onnx")}
 (tmp / "out").mkdir(exist_ok=True)
-compile_aihub(cfg, binary_layout(cfg), prepared, tmp / "out", tmp / "ledger.json", qai_hub)
+layout = list(Job.build(builtin_geometry("tiny"), cfg, specs=False).binaries)
+compile_aihub(cfg, layout, prepared, tmp / "out", tmp / "ledger.json", qai_hub)
 """
 
 
@@ -185,7 +193,7 @@ def test_kill_while_waiting_then_rerun_submits_nothing_twice(fake_hub, tmp_path,
     def rerun():
         prepared = {p.stem: p for p in tmp_path.glob("*.onnx")}
         return compile_aihub(
-            cfg, binary_layout(cfg), prepared, tmp_path / "out", tmp_path / "ledger.json", fake_hub
+            cfg, _layout(cfg), prepared, tmp_path / "out", tmp_path / "ledger.json", fake_hub
         )
 
     figures, _ = rerun()

@@ -8,7 +8,7 @@ import pytest
 
 from stages.core.config import load_config
 from stages.model.geometry import TINY_TEXT_CONFIG, geometry_from_config
-from stages.model.graphs import CALIBRATION_ROLE, binary_layout
+from stages.model.graphs import CALIBRATION_ROLE
 from stages.planning.job import Job
 from stages.planning.results import OutdatedResult, QuantizeResult, StageReport
 
@@ -22,10 +22,17 @@ def test_a_job_survives_its_report_and_matches_what_the_config_derives():
     job, cfg = _job(prefill_ar=4, decode_ar=1)
     again = Job.from_dict(json.loads(json.dumps(job.to_dict())))
     assert again == job
-    assert list(job.binaries) == binary_layout(cfg)
+    # v69 has no weight sharing: every graph is its own binary, prefill before decode in each part.
+    assert [b.file for b in job.binaries] == [
+        "prefill_ar4_part1_of_2.bin",
+        "decode_ar1_part1_of_2.bin",
+        "prefill_ar4_part2_of_2.bin",
+        "decode_ar1_part2_of_2.bin",
+    ]
     assert len(job.parts) == cfg.num_shards and sorted(i for p in job.parts for i in p) == list(range(6))
     assert all(s.role != CALIBRATION_ROLE for s in job.shipped_specs)
-    assert job.shipped_graphs == tuple(g for b in binary_layout(cfg) for g in b.graphs)
+    assert job.shipped_graphs == tuple(b.file.removesuffix(".bin") for b in job.binaries)
+    assert {s.name for s in job.shipped_specs} == set(job.shipped_graphs)
 
 
 def test_quantize_lays_the_binaries_out_for_its_own_soc():
@@ -33,7 +40,8 @@ def test_quantize_lays_the_binaries_out_for_its_own_soc():
     job, _ = _job(prefill_ar=4, decode_ar=1)
     sharing_cfg = load_config("tiny", {"prefill_ar": 4, "decode_ar": 1, "soc": "SM8550"})
     moved = job.on_soc(sharing_cfg.soc_info)
-    assert list(moved.binaries) == binary_layout(sharing_cfg)
+    assert [b.file for b in moved.binaries] == ["part1_of_2.bin", "part2_of_2.bin"]
+    assert moved.binaries == Job.build(geometry_from_config(TINY_TEXT_CONFIG), sharing_cfg).binaries
     assert all(b.weight_shared for b in moved.binaries) and not any(b.weight_shared for b in job.binaries)
     assert moved.parts == job.parts and moved.specs == job.specs
 
@@ -65,5 +73,5 @@ def test_the_plan_prices_the_job_it_is_given():
     assert len(priced.binaries) < len(plan.binaries)
     source = inspect.getsource(fitting.make_plan) + inspect.getsource(fitting._graph_plans)
     source += inspect.getsource(fitting._binary_plans)
-    for call in ("part_layers(", "graph_kinds(", "binary_layout(", "Job.build("):
+    for call in ("part_layers(", "graph_kinds(", "lay_out_binaries(", "Job.build("):
         assert call not in source, call
