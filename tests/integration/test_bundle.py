@@ -147,7 +147,7 @@ def test_inconsistent_configs_are_refused(sm8450, tmp_path):
     errors = consistency_errors(bad, {**files, "huge.bin": big}, io, _geometry(work))
     assert any("part9_of_2.bin is not in the bundle" in e for e in errors)
     assert any("prefix 'global_' matches no key cache input" in e for e in errors)
-    assert any("huge.bin is 4.00 GiB" in e for e in errors)
+    assert any("(huge.bin) LUT is 4.00 GiB, over Genie's 4 GiB LUT limit" in e for e in errors)
     assert any("context.n-vocab is" in e for e in errors)
 
 

@@ -47,9 +47,9 @@ from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.files import GENIE_CONFIG, HTP_EXT_CONFIG, MANIFEST, TOKENIZER, TOKENIZER_CONFIG
 from stages.runtimes.genie.rules import (
     LUT_DATATYPES,
-    LUT_LIMIT_BYTES,
     LUT_SECTION,
     dialog_context_size,
+    lut_problems,
     sampler_problems,
 )
 
@@ -391,12 +391,7 @@ def consistency_errors(
         if path is None:
             errors.append(f"{key} lut-path {lut['lut-path']} is not in the bundle")
             continue
-        size = path.stat().st_size
-        if size > LUT_LIMIT_BYTES:
-            errors.append(
-                f"{key} LUT {lut['lut-path']} is {size / 2**30:.2f} GiB; Genie reads sizes as uint32 "
-                "(< 4 GiB): use ple_lut_bits=8"
-            )
+        errors += lut_problems({f"{key} ({lut['lut-path']})": path.stat().st_size})
     for feed in lut_feeds(genie, io):
         if feed["mode"] is None:
             errors.append(
