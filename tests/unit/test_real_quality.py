@@ -142,3 +142,44 @@ def test_mixed_keeps_its_share_and_searches_the_rest(tiny, tmp_path):
         assert rounding.rounder.rounded[name] is not searched
     assert isinstance(next(iter(lab.hessians[lab.cfg.hessian_samples].values())), Hessian)
     assert set(weights) == set(lab.float_weights)
+
+
+def test_calibration_row_reuses_the_default_choice(tiny, tmp_path):
+    lab = rq.Lab(tiny, _windows(1, 33, seed=7), _windows(3, 32, seed=8), tmp_path, log=lambda _m: None)
+    lab.collect_hessians((2, lab.cfg.hessian_samples))  # 8 asked, 3 there: all of them
+    rows = {r.name: r for r in rq.all_rows()}
+    assert lab.hessians[lab.cfg.hessian_samples][rq.LM_HEAD_WEIGHT].rows == 96
+    lab.evaluate(rows["float"])
+    default = lab.evaluate(rows["w4a16-mixed 75% gptq-search (default)"])
+    quarter = lab.evaluate(rows["default, Hessians x1/4"])
+    assert default["sensitivity"] == "measured" and quarter["sensitivity"].startswith("measured on the")
+    assert quarter["int8_share"] == default["int8_share"]
+    assert lab.estimate_s(rows["w4a16 gptq"], 10.0) < lab.estimate_s(rows["w4a16-lpbq gptq"], 10.0)
+    record = {
+        "date": "2026-12-07",
+        "complete": False,
+        "model": {"gguf": "tiny.gguf", "sha256": "0" * 64},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "text": {
+            "heldout": "h",
+            "heldout_text_tokens": 64,
+            "heldout_windows": 1,
+            "window": "33 tokens",
+            "tokens_scored": 32,
+            "calibration": "c",
+            "calibration_text_tokens": 93,
+            "calibration_windows_available": 3,
+            "calibration_window": "32",
+            "hessian_samples": {"2": 2, "8": 3},
+            "kv_range_samples": 3,
+            "sensitivity_tokens": 128,
+        },
+        "checks": lab.layout_checks(),
+        "rows": [default, quarter],
+        "same_as": {},
+        "dropped": [{"row": "x", "why": "over the budget"}],
+        "wall_s": 1.0,
+        "max_rss_bytes": 1 << 30,
+    }
+    md = rq.to_markdown(record, "cmd")
+    assert "| default, Hessians x1/4 |" in md and "Run in progress" in md and "- x: over the budget." in md
