@@ -553,7 +553,11 @@ def _judge(
         case: ("transformers" if case == "chat" else "the emulator", [t for t in tokens if t not in stop_ids])
         for case, tokens in {"chat": cmp.theirs, **emulated_long}.items()
     }
-    problems = compare(real, real_wants, tok.decode, tok.encode, thresholds.min_prefix) if real else []
+    problems: list[str] = []
+    if real is not None:
+        problems, real.comparisons = compare(
+            real, real_wants, stop_ids, tok.decode, tok.encode, thresholds.min_prefix
+        )
     if problems:
         raise VerifyError(f"{bundle_dir}: " + "; ".join(problems) + f" (logs: {real.log_dir})")
     shortfalls = thresholds.shortfalls(
