@@ -36,6 +36,9 @@ def test_verify_runs_the_real_genie_first_and_it_answers_as_transformers(bundle)
     assert set(real["statuses"]) == {"chat", "second query", "long", "token limit", "own sampler"}
     assert all(status >= 0 for status in real["statuses"].values())
     assert real["answers"]["second query"] and real["answers"]["own sampler"]
+    # Compared in token ids, each comparison named with its verdict.
+    verdicts = {c["case"]: (c["verdict"], c["asked"]) for c in real["comparisons"]}
+    assert verdicts == {"chat": ("passed", 8), "long": ("passed", 8), "token limit": ("passed", 3)}
     assert (work / ".g4v69" / "genie-logs" / "genie-greedy.log").stat().st_size > 0
     # `make run` sends the phone's genie-t2t-run exactly the text the real Genie got here.
     assert real["chat_query"] == query_text(bundle, PROMPT)
