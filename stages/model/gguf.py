@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,15 +85,38 @@ def find_gguf(folder: Path) -> Path | None:
     return found[0] if found else None
 
 
+def _save_float_model(model: Any, dest: Path) -> None:
+    """The dequantized model as transformers saves a float one (config.json, model.safetensors): its
+    `save_pretrained` refuses a model it loaded from a GGUF ("quantized with gguf and is not
+    serializable") though every tensor is plain float32 by then."""
+    from safetensors.torch import save_file
+
+    config = model.config.to_dict()
+    # Where the GGUF lay (a scratch folder) is no fact of the model and would make two downloads differ.
+    for key in ("quantization_config", "_name_or_path"):
+        config.pop(key, None)
+    config.update(dtype="float32", architectures=[type(model).__name__])
+    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    model.generation_config.save_pretrained(str(dest))
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the embedding, stored once as transformers does
+    weights = dest / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(weights), {"format": "pt"})
+    weights.chmod(0o644)  # save_file makes it private; a stage image may read it as another user
+
+
 def save_as_transformers(gguf: Path, dest: Path) -> dict[str, Any]:
     """Load `gguf` with transformers' GGUF loader (float32) and save model and tokenizer into `dest`;
     the figures say what the GGUF held."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
     from stages.core.quiet import quiet_libraries
 
     quiet_libraries()
+    transformers_logging.disable_progress_bar()  # the stage prints its own one-line summary
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
@@ -101,7 +125,7 @@ def save_as_transformers(gguf: Path, dest: Path) -> dict[str, Any]:
     except (ValueError, OSError, KeyError, RuntimeError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise GgufError(f"transformers cannot read {gguf} as a GGUF checkpoint: {first}") from None
-    model.save_pretrained(str(dest), safe_serialization=True)
+    _save_float_model(model, dest)
     tokenizer.save_pretrained(str(dest))
     return {
         "gguf": gguf.name,

@@ -1,6 +1,6 @@
 """A toy Gemma 3 checkpoint written by transformers itself (Gemma3ForCausalLM.save_pretrained, a base
-model: no chat template) through download (imported) and export (parity with transformers' own
-Gemma 3).
+model: no chat template) through every stage: download (imported), export (parity with transformers'
+own Gemma 3), quantize, compile, bundle and verify with the real Genie answering.
 
 The toy has what separates Gemma 3 from Gemma 4 in the graphs: RMSNorm weights stored minus one,
 query_pre_attn_scalar unlike head_dim (the score scale), no value norm, no layer scalar, plain RoPE
@@ -121,3 +121,59 @@ def test_export_matches_transformers_gemma3(toy, exported):
     span = float(want.max() - want.min())
     assert float(np.abs(got - want).max()) < 1e-4 * span
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.fixture(scope="module")
+def bundle(toy, exported) -> Path:
+    from stages.compile import run_compile
+    from stages.quantize import run_quantize
+    from stages.runtimes.genie.bundle import run_bundle
+
+    cfg = _cfg()
+    ckpt = toy / "checkpoints" / MODEL
+    run_quantize(cfg, toy, ckpt)
+    run_compile(cfg, toy)
+    run_bundle(cfg, toy, ckpt)
+    return toy / "genie_bundle"
+
+
+def test_genie_cannot_reset_a_dialog_without_a_per_layer_lut_after_the_window_wrapped(bundle, tmp_path):
+    """The smallest reproduction of rules.reset_after_wrap_works (QAIRT 2.51's libGenie.so): a prompt
+    past the 8-token window, a few tokens, a reset, then any query fails; without the reset, or
+    before the window wrapped, the same queries run. When a later Genie fixes it, this test says so."""
+    from stages.runtimes.genie.real import GREEDY, Query, RealGenieError, run_dialog
+
+    prompt = "Return the first element of a list."  # 36 tokens with BOS
+    wrapped = [Query(prompt, 8, reset_before=True), Query(prompt, 3, reset_before=True)]
+    # The failure is a negative status or, as often, the child process dying (exit -11): both count.
+    try:
+        run = run_dialog(bundle, wrapped, tmp_path / "reset.log", sampler=GREEDY)
+        assert run.statuses[0] == 0 and run.statuses[1] < 0, run.statuses
+    except RealGenieError as err:
+        assert "ended without an answer" in str(err), err
+    assert "SWAMASK" in (tmp_path / "reset.log").read_text(errors="replace")
+    kept = run_dialog(bundle, [Query(prompt, 8), Query("Thanks.", 3)], tmp_path / "kept.log", sampler=GREEDY)
+    short = [Query("Hi there", 3, reset_before=True), Query("Hi there", 3, reset_before=True)]
+    early = run_dialog(bundle, short, tmp_path / "early.log", sampler=GREEDY)
+    assert kept.statuses == [0, 0] and early.statuses == [0, 0]
+
+
+def test_every_stage_and_the_real_genie(toy, bundle):
+    """Quantize, compile, bundle, then verify: the real Genie runs the toy's bundle on its raw prompt
+    (no chat template), each case that resets in a dialog of its own, and answers as the host runner
+    and transformers do."""
+    from stages.runtimes.genie.verify import run_verify
+
+    cfg = _cfg()
+    ckpt = toy / "checkpoints" / MODEL
+    genie = json.loads((toy / "genie_bundle" / "genie_config.json").read_text())["dialog"]
+    ropes = {r.get("prefix", ""): r for r in genie["engine"]["model"]["positional-encoding"]}
+    assert ropes[""]["rope-theta"] == 1000000.0 and ropes["swa_"]["rope-theta"] == 10000.0
+    assert not any("rope-scaling" in r for r in ropes.values())
+    assert not any(k for k in genie if k.startswith("embedding-") or "per-layer" in k), genie.keys()
+    fig = run_verify(cfg, toy, ckpt, "Return the first element of a list.")["figures"]
+    real = fig["real_genie"]
+    assert all(status >= 0 for status in real["statuses"].values())
+    assert real["dialogs"] == [["chat"], ["long"], ["token limit", "second query"], ["own sampler"]]
+    verdicts = {c["case"]: c["verdict"] for c in real["comparisons"]}
+    assert verdicts == {"chat": "passed", "long": "passed", "token limit": "passed"}, real["comparisons"]

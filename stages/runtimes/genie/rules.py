@@ -129,3 +129,17 @@ def lut_problems(lut_bytes: dict[str, int]) -> list[str]:
         for name, size in lut_bytes.items()
         if size > LUT_LIMIT_BYTES
     ]
+
+
+def reset_after_wrap_works(dialog: dict) -> bool:
+    """Whether GenieDialog_reset leaves the dialog usable once a query has wrapped the sliding window.
+
+    Measured with QAIRT 2.51's x86 libGenie.so: a dialog without a per-layer-embedding LUT (Gemma 3, or
+    a Gemma 4 without PLE) runs its caches another way (its log prints `SWAMASK` lines), and there a
+    query after a reset that follows a wrapped window fails (`runInference(req): setupInput failed`
+    with two parts, `graph-exec failed` with one; status -1, or the process dies on a null buffer,
+    exit -11). Without the reset the next query runs,
+    and with the LUT the same reset works. The smallest reproduction, held by
+    tests/integration/test_gemma3.py: a 36-token prompt past an 8-token window, 8 tokens, reset, any
+    query."""
+    return LUT_SECTION["per_layer_embedding"] in dialog
