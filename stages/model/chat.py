@@ -1,4 +1,8 @@
-"""Gemma 4 prompts: the checkpoint's tokenizer, its chat template and its stop tokens.
+"""Prompts: the checkpoint's tokenizer, its chat template and its stop tokens.
+
+A base model (Gemma 3 270M, say) has no chat template: its prompt is the raw text after BOS
+(RAW_TEMPLATE), which the bundle then carries as its template, so `make run`, verify and the host
+runner all send the same ids.
 
 The template is rendered with Jinja2 the way transformers' apply_chat_template does (trim_blocks,
 lstrip_blocks, raise_exception), so the host runner sees the exact token ids Genie's template gives.
@@ -13,25 +17,27 @@ from pathlib import Path
 
 from stages.core.errors import UserFixable
 
-# An -it model ends its turn with <turn|>, almost never with the bare <eos> (docs/facts.md §1).
-END_OF_TURN = "<turn|>"
+# A base model's prompt: BOS, then the text as it is (a system text, if given, first).
+RAW_TEMPLATE = "{{- bos_token -}}{%- for message in messages -%}{{- message['content'] -}}{%- endfor -%}"
 
 
 class ChatError(UserFixable, ValueError):
     pass
 
 
-def chat_template(checkpoint_dir: Path) -> str:
+def stored_chat_template(checkpoint_dir: Path) -> str | None:
+    """The checkpoint's own chat template (chat_template.jinja or tokenizer_config.json), or None."""
     jinja = checkpoint_dir / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text()
     cfg = checkpoint_dir / "tokenizer_config.json"
     template = json.loads(cfg.read_text()).get("chat_template") if cfg.is_file() else None
-    if not isinstance(template, str):
-        raise ChatError(
-            f"{checkpoint_dir} has no chat template (chat_template.jinja or tokenizer_config.json)"
-        )
-    return template
+    return template if isinstance(template, str) else None
+
+
+def chat_template(checkpoint_dir: Path) -> str:
+    """The template prompts are rendered with: the checkpoint's, or RAW_TEMPLATE for a base model."""
+    return stored_chat_template(checkpoint_dir) or RAW_TEMPLATE
 
 
 def render_chat(checkpoint_dir: Path, prompt: str, system: str | None = None) -> str:

@@ -1,4 +1,5 @@
-"""Reading a downloaded Gemma 4 checkpoint: its config, geometry and language-model tensors.
+"""Reading a downloaded checkpoint (any family in stages/model/families.py): its config, geometry and
+language-model tensors.
 
 Tensors are read one at a time from memory-mapped safetensors files, so a stage holds only what it
 asks for; the vision and audio towers of a multimodal snapshot are never read.
@@ -6,6 +7,7 @@ asks for; the vision and audio towers of a multimodal snapshot are never read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -26,12 +28,12 @@ from stages.model.compressed import (
     quantization_config,
     unpack,
 )
+from stages.model.families import MODEL_TYPES, FamilyError, family_of, known_types
 from stages.model.geometry import Geometry, GeometryError, Tensor, geometry_from_config, text_config_of
 
 # Where the text decoder's weights sit in the -it (multimodal) snapshot; a text-only export uses `model.`.
 TEXT_PREFIXES = ("model.language_model.", "model.")
 INDEX_NAME = "model.safetensors.index.json"
-GEMMA4_MODEL_TYPES = ("gemma4", "gemma4_text")
 
 
 class CheckpointError(UserFixable, ValueError):
@@ -50,13 +52,14 @@ def stop_token_ids(checkpoint_dir: Path) -> list[int]:
     bundle's genie_config.json (and so `make run` on the phone), verify and the Genie emulator use.
 
     The union of generation_config.json's eos_token_id (the published E2B-it lists several), the text
-    config's eos_token_id and `<turn|>`, which ends an -it model's turn (docs/facts.md §1). Reads JSON only,
-    so it works in every image.
+    config's eos_token_id and the family's end-of-turn token (Gemma 4's `<turn|>`, which ends an -it
+    model's turn, docs/facts.md §1). Reads JSON only, so it works in every image.
     """
-    from stages.model.chat import END_OF_TURN, added_token_id
+    from stages.model.chat import added_token_id
 
     directory = Path(checkpoint_dir)
     ids: set[int] = set()
+    end_of_turn = "<turn|>"
     for name, pick in (("config.json", text_config_of), ("generation_config.json", lambda c: c)):
         path = directory / name
         if not path.is_file():
@@ -69,8 +72,11 @@ def stop_token_ids(checkpoint_dir: Path) -> list[int]:
             ids.update(_token_ids(pick(data).get("eos_token_id"), str(path)))
         except GeometryError as e:
             raise CheckpointError(f"{path}: {e}") from None
+        if name == "config.json":
+            with contextlib.suppress(FamilyError):  # a foreign config fails where it is validated
+                end_of_turn = family_of(data).end_of_turn
     if (directory / "tokenizer.json").is_file():
-        turn_end = added_token_id(directory, END_OF_TURN)
+        turn_end = added_token_id(directory, end_of_turn)
         if turn_end is not None:
             ids.add(turn_end)
     return sorted(ids)
@@ -93,10 +99,10 @@ class Checkpoint:
     @cached_property
     def geometry(self) -> Geometry:
         model_type = self.config.get("model_type")
-        if model_type not in GEMMA4_MODEL_TYPES:
+        if model_type not in MODEL_TYPES:
             raise CheckpointError(
-                f"{self.dir / 'config.json'} describes a {model_type!r} model, not Gemma 4 "
-                "(model_type gemma4 or gemma4_text)"
+                f"{self.dir / 'config.json'} describes a {model_type!r} model, not a family this pipeline "
+                f"builds (model_type {known_types()})"
             )
         try:
             return geometry_from_config(self.config)
@@ -304,17 +310,18 @@ def _read_json(path: Path) -> Any:
 
 
 def check_config(path: Path) -> dict[str, Any]:
-    """The parsed config.json, which must be a Gemma 4 config that the geometry understands."""
+    """The parsed config.json, which must be a config of a known family that the geometry understands."""
     config = _read_json(path)
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} is not a config object")
     model_type = config.get("model_type")
-    text_type = text_config_of(config).get("model_type", model_type)
-    if model_type not in GEMMA4_MODEL_TYPES or text_type not in GEMMA4_MODEL_TYPES:
+    try:
+        family_of(config)
+    except FamilyError:
         raise CheckpointError(
-            f"{path} is not a Gemma 4 config (model_type {model_type!r}); this pipeline handles "
-            f"model_type {' or '.join(GEMMA4_MODEL_TYPES)}, e.g. google/gemma-4-E2B-it"
-        )
+            f"{path} is not a Gemma 4 or Gemma 3 config (model_type {model_type!r}); this pipeline handles "
+            f"model_type {known_types()}, e.g. google/gemma-4-E2B-it or google/gemma-3-270m"
+        ) from None
     try:
         geometry_from_config(config)
     except (GeometryError, KeyError, TypeError, ValueError) as e:
@@ -350,7 +357,7 @@ def validate_checkpoint(
     `files` limits the check to those names (a staging or user folder may hold other files);
     default: the names of `remote`, else every file in the folder.
 
-    Checked: the required files exist and parse; config.json is Gemma 4; every safetensors file
+    Checked: the required files exist and parse; config.json is of a known family; every safetensors file
     (and every file the index names) opens; every language-model tensor of the geometry is present
     under `model.language_model.` (or, for a text-only save, `model.`) with its shape. Non-text
     tensors (vision, audio) are skipped; extra text tensors are accepted and listed, as transformers

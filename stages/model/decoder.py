@@ -1,6 +1,7 @@
-"""One part of the Gemma 4 text decoder as a static-shape torch module with the Genie I/O contract.
+"""One part of a Gemma text decoder as a static-shape torch module with the Genie I/O contract.
 
-Numerics follow transformers' Gemma4TextModel (docs/facts.md §1) with the caches turned into graph
+Numerics follow transformers' Gemma4TextModel (docs/facts.md §1), or Gemma3TextModel where the
+geometry's family says how they differ (stages/model/families.py), with the caches turned into graph
 inputs and outputs: keys are stored transposed (head_dim x slots) and after RoPE, so a cache slot
 never needs re-rotation; KV-shared layers read their donor's whole K/V; the per-layer-embedding
 projection runs in the first part; logit softcapping runs in the last. RMSNorm and tanh-GELU use the
@@ -55,6 +56,15 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.detach(), requires_grad=False)
 
 
+def norm_weight(geo: Geometry, name: str, t: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm weight as the graph multiplies by it: Gemma 3 stores it minus one (its RMSNorm
+    scales by 1 + weight), Gemma 4 as it is. Other tensors pass through."""
+    offset = geo.family.norm_offset
+    if offset and name.endswith("norm.weight"):
+        return t + offset
+    return t
+
+
 def _holder(t: torch.Tensor) -> nn.Module:
     """A module holding one weight, so its parameter (and ONNX initializer) is named `<attr>.weight`."""
     m = nn.Module()
@@ -72,6 +82,8 @@ class DecoderLayer(nn.Module):
         self.n_heads = geo.num_attention_heads
         self.n_kv = geo.num_kv_heads
         self.eps = geo.config.get("rms_norm_eps", 1e-6)
+        family = geo.family
+        self.layer_scalar_used = family.layer_scalar
         p = f"layers.{layer.index}."
         for t in layer.tensors:
             # Parameter names mirror the checkpoint's, so graph initializers are recognisable.
@@ -81,8 +93,13 @@ class DecoderLayer(nn.Module):
                 if name not in owner._modules:
                     owner.add_module(name, nn.Module())
                 owner = owner._modules[name]
-            owner.register_parameter(attr, _param(weights[t.name]))
-        if self.owns_kv:
+            owner.register_parameter(attr, _param(norm_weight(geo, t.name, weights[t.name])))
+        # The attention's score scale folded into the query norm's weight (exact up to float32
+        # rounding): the graph keeps Gemma 4's shape, with no extra Mul for the quantizer to place.
+        scale = family.attention_scale(geo.config)
+        if scale != 1.0:
+            self.self_attn.q_norm.weight.data = self.self_attn.q_norm.weight.data * scale
+        if self.owns_kv and family.value_norm:
             # Gemma's value norm has no learned scale. Exporting F.rms_norm(weight=None) gives
             # RMSNormalization a scale computed at run time (ones expanded to the input's shape),
             # which QNN's HTP rejects in prefill graphs; a constant (head_dim,) scale it accepts.
@@ -110,7 +127,9 @@ class DecoderLayer(nn.Module):
         if self.owns_kv:
             k = torch.matmul(x, attn.k_proj.weight).view(1, t, nkv, d)
             k = apply_rope(rms_norm(k, attn.k_norm.weight, self.eps).transpose(1, 2), cos, sin)  # (1,kv,T,D)
-            v = rms_norm(torch.matmul(x, attn.v_proj.weight).view(1, t, nkv, d), self.v_norm_scale, self.eps)
+            v = torch.matmul(x, attn.v_proj.weight).view(1, t, nkv, d)
+            if hasattr(self, "v_norm_scale"):
+                v = rms_norm(v, self.v_norm_scale, self.eps)
             new_k = k.transpose(2, 3)  # (1,kv,D,T)
             new_v = v.transpose(1, 2)  # (1,kv,T,D)
             past_k, past_v = cache
@@ -122,7 +141,7 @@ class DecoderLayer(nn.Module):
         # Query heads are grouped by the KV head they read (HF's repeat_kv order).
         groups = nh // nkv
         qg = q.reshape(1, nkv, groups * t, d)
-        scores = torch.matmul(qg, keys).reshape(1, nh, t, -1)  # attention scaling is 1.0 in Gemma 4
+        scores = torch.matmul(qg, keys).reshape(1, nh, t, -1)  # the scale is in q_norm's weight
         probs = torch.softmax(scores + mask, dim=-1).reshape(1, nkv, groups * t, -1)
         out = torch.matmul(probs, values).reshape(1, nh, t, d).transpose(1, 2).reshape(1, t, nh * d)
         out = torch.matmul(out, attn.o_proj.weight)
@@ -140,7 +159,9 @@ class DecoderLayer(nn.Module):
             g = F.gelu(torch.matmul(h, self.per_layer_input_gate.weight), approximate="tanh") * ple
             g = torch.matmul(g, self.per_layer_projection.weight)
             h = h + rms_norm(g, self.post_per_layer_input_norm.weight, self.eps)
-        return h * self.layer_scalar, (keys, values), new_kv
+        if self.layer_scalar_used:
+            h = h * self.layer_scalar
+        return h, (keys, values), new_kv
 
 
 class DecoderPart(nn.Module):
@@ -157,7 +178,7 @@ class DecoderPart(nn.Module):
             self.per_layer_model_projection = _holder(weights["per_layer_model_projection.weight"])
             self.per_layer_projection_norm = _holder(weights["per_layer_projection_norm.weight"])
         if spec.is_last:
-            self.norm = _holder(weights["norm.weight"])
+            self.norm = _holder(norm_weight(geo, "norm.weight", weights["norm.weight"]))
             # An explicit, untied copy: quantization must see the lm_head as a weight (docs/facts.md §5).
             self.lm_head = _holder(weights["embed_tokens.weight"])
         self.softcap = geo.config.get("final_logit_softcapping")

@@ -1,4 +1,5 @@
-"""Gemma 4 text-decoder geometry: every weight tensor the text model has, derived from a config.
+"""Text-decoder geometry of a Gemma model (any family in stages/model/families.py): every weight
+tensor the text model has, derived from a config.
 
 The same list serves the planner (parameter and byte counts), the download stage (checking a
 snapshot's safetensors shapes) and the export stage (which weights go into which shard). Tensor
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.core.errors import UserFixable
+from stages.model.families import FULL, SLIDING, Family, FamilyError, family_of, family_of_type
 
 # Gemma 4 E2B text config, as in google/gemma-4-E2B-it's config.json (text_config); see docs/facts.md §1.
 E2B_TEXT_CONFIG: dict[str, Any] = {
@@ -76,8 +78,33 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 1024,
 }
 
-SLIDING = "sliding_attention"
-FULL = "full_attention"
+# Google's Gemma 3 270M text config (gemma3_text), as transformers 5.23 reads it from the packaged
+# GGUF (docs/facts.md §8): the plan prices it before the download.
+GEMMA3_270M_TEXT_CONFIG: dict[str, Any] = {
+    "model_type": "gemma3_text",
+    "vocab_size": 262144,
+    "hidden_size": 640,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "sliding_window": 512,
+    "layer_types": [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(18)],
+    "query_pre_attn_scalar": 256,
+    "final_logit_softcapping": None,
+    "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": True,
+    "rope_parameters": {
+        SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+        FULL: {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+}
 
 # What a tensor is for; the planner prices each kind at its own precision.
 LINEAR = "linear"  # attention and MLP projections: weight_bits
@@ -133,6 +160,10 @@ class Geometry:
     final_norm: Tensor
 
     # ---- shape facts other stages need ----
+    @property
+    def family(self) -> Family:
+        return family_of_type(self.config["model_type"])
+
     @property
     def hidden_size(self) -> int:
         return self.config["hidden_size"]
@@ -199,7 +230,7 @@ class Geometry:
 
 def _require(cfg: dict[str, Any], key: str) -> Any:
     if cfg.get(key) is None:
-        raise GeometryError(f"text config lacks '{key}'; is this a Gemma 4 config.json?")
+        raise GeometryError(f"text config lacks '{key}'; is this a Gemma config.json?")
     return cfg[key]
 
 
@@ -209,7 +240,7 @@ def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
     if "text_config" in config:
         text = config["text_config"]
         if not isinstance(text, dict):
-            raise GeometryError(f"text_config is {text!r}, not an object; is this a Gemma 4 config.json?")
+            raise GeometryError(f"text_config is {text!r}, not an object; is this a Gemma config.json?")
         return text
     return config
 
@@ -303,15 +334,21 @@ def kv_donors(layer_types: list[str], num_kv_shared_layers: int) -> list[int]:
 
 
 def geometry_from_config(config: dict[str, Any]) -> Geometry:
-    """The geometry of a Gemma 4 config.json (multimodal or text-only), in every form transformers
-    writes or Google publishes; a value no form gives is a GeometryError naming the field."""
-    cfg = text_config_of(config)
+    """The geometry of a config.json of any family in stages/model/families.py (multimodal or
+    text-only), in every form transformers writes or Google publishes; a value no form gives is a
+    GeometryError naming the field."""
+    try:
+        family = family_of(config)
+        cfg = family.normalise(text_config_of(config))
+    except FamilyError as e:
+        raise GeometryError(str(e)) from None
+    cfg.setdefault("model_type", family.model_types[-1])
     _refuse_unsupported(config, cfg)
     hidden = _require(cfg, "hidden_size")
     n_layers = _require(cfg, "num_hidden_layers")
     n_heads = _require(cfg, "num_attention_heads")
     vocab = _require(cfg, "vocab_size")
-    layer_types = _layer_types(cfg, n_layers)
+    layer_types = _layer_types(cfg, n_layers, family)
     head_dims, n_kv = _attention_shapes(cfg, layer_types)
     n_shared = cfg.get("num_kv_shared_layers") or 0
     donors = kv_donors(layer_types, n_shared)
@@ -325,7 +362,7 @@ def geometry_from_config(config: dict[str, Any]) -> Geometry:
     normalised.update(
         layer_types=layer_types,
         head_dim=sliding_dims[0] if sliding_dims else cfg["head_dim"],
-        global_head_dim=full_dims[0],
+        global_head_dim=full_dims[0] if full_dims else cfg["global_head_dim"],
         num_key_value_heads=n_kv,
         num_kv_shared_layers=n_shared,
     )
@@ -334,7 +371,8 @@ def geometry_from_config(config: dict[str, Any]) -> Geometry:
         owns = donors[i] == i
         width = inters[i] * (2 if cfg.get("use_double_wide_mlp") and not owns else 1)
         shapes = (hidden, n_heads, n_kv, head_dims[i], width, ple_dim)
-        layers.append(Layer(i, kind, head_dims[i], width, donors[i], _layer_tensors(i, owns, *shapes)))
+        tensors = _layer_tensors(i, owns, *shapes, scalar=family.layer_scalar)
+        layers.append(Layer(i, kind, head_dims[i], width, donors[i], tensors))
 
     ple_table = None
     ple_projection: tuple[Tensor, ...] = ()
@@ -356,7 +394,7 @@ def geometry_from_config(config: dict[str, Any]) -> Geometry:
 
 
 def _refuse_unsupported(config: dict[str, Any], cfg: dict[str, Any]) -> None:
-    """The Gemma 4 variants this pipeline does not build, named by the field that says so."""
+    """The variants this pipeline does not build, named by the field that says so."""
     if cfg.get("enable_moe_block"):
         raise GeometryError("MoE Gemma 4 variants are not supported; use an E2B/E4B-style config")
     if cfg.get("attention_k_eq_v"):
@@ -370,27 +408,28 @@ def _refuse_unsupported(config: dict[str, Any], cfg: dict[str, Any]) -> None:
         if tied is False:
             raise GeometryError(
                 "tie_word_embeddings is false: this pipeline's lm_head is the embedding table, as in every "
-                "published Gemma 4"
+                "published Gemma 3 and Gemma 4"
             )
 
 
-def _layer_types(cfg: dict[str, Any], n_layers: int) -> list[str]:
-    """Each layer's attention kind: the config's, or Gemma 4's default pattern (every sixth full)."""
+def _layer_types(cfg: dict[str, Any], n_layers: int, family: Family) -> list[str]:
+    """Each layer's attention kind: the config's, or the family's default pattern."""
     layer_types = list(cfg.get("layer_types") or [])
     if not layer_types:
-        layer_types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n_layers)]
+        every = family.full_every
+        layer_types = [FULL if (i + 1) % every == 0 else SLIDING for i in range(n_layers)]
     if len(layer_types) != n_layers:
         raise GeometryError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
     odd = sorted(set(layer_types) - {SLIDING, FULL})
     if odd:
-        raise GeometryError(f"layer_types holds {odd[0]!r}; Gemma 4 layers are {SLIDING} or {FULL}")
-    # transformers turns the last layer into a full-attention one whatever the config says.
-    layer_types[-1] = FULL
+        raise GeometryError(f"layer_types holds {odd[0]!r}; {family.name} layers are {SLIDING} or {FULL}")
+    if family.last_layer_full:
+        layer_types[-1] = FULL
     return layer_types
 
 
 def _layer_tensors(
-    i: int, owns: bool, hidden: int, n_heads: int, n_kv: int, hd: int, width: int, ple_dim: int
+    i: int, owns: bool, hidden: int, n_heads: int, n_kv: int, hd: int, width: int, ple_dim: int, scalar: bool
 ) -> tuple[Tensor, ...]:
     """Layer i's weights as the checkpoint names them (a KV-shared layer has no K/V projections)."""
     p = f"layers.{i}."
@@ -419,7 +458,8 @@ def _layer_tensors(
             "post_feedforward_layernorm",
         )
     ]
-    ts.append(Tensor(p + "layer_scalar", (1,), NORM))
+    if scalar:
+        ts.append(Tensor(p + "layer_scalar", (1,), NORM))
     if ple_dim:
         ts += [
             Tensor(p + "per_layer_input_gate.weight", (ple_dim, hidden), PLE),
@@ -440,6 +480,9 @@ KNOWN_GEOMETRIES = {
     "google/gemma-4-e2b-it-qat-q4_0-unquantized": E2B_TEXT_CONFIG,
     "e2b-random": E2B_TEXT_CONFIG,
     "tiny": TINY_TEXT_CONFIG,
+    "gemma-3-270m-q4_k_m": GEMMA3_270M_TEXT_CONFIG,
+    "google/gemma-3-270m": GEMMA3_270M_TEXT_CONFIG,
+    "google/gemma-3-270m-it": GEMMA3_270M_TEXT_CONFIG,
 }
 
 

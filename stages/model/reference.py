@@ -1,4 +1,5 @@
-"""transformers' Gemma 4 on the same checkpoint: the reference the exported and quantized chains are
+"""transformers' own model of the checkpoint's family (Gemma 4, Gemma 3) on the same checkpoint: the
+reference the exported and quantized chains are
 measured against (tests and the verify stage)."""
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def _parameters_on_meta() -> Iterator[None]:
 
 
 def transformers_model(checkpoint_dir: Path) -> Any:
-    """Gemma4ForCausalLM (eager attention, eval) with the checkpoint's text weights: float32, or
+    """The family's ForCausalLM (Gemma4ForCausalLM, Gemma3ForCausalLM; eager attention, eval) with the
+    checkpoint's text weights: float32, or
     bfloat16 above FLOAT32_MAX_BYTES of float32 weights.
 
     Built from the text config with its parameters on the meta device and loaded tensor by tensor
@@ -47,14 +49,17 @@ def transformers_model(checkpoint_dir: Path) -> Any:
     wrong shape, which transformers refuses too, or a missing one is a CheckpointError naming them.
     """
     import torch
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+    import transformers
 
     from stages.model.checkpoint import Checkpoint, CheckpointError
 
     ckpt = Checkpoint(checkpoint_dir)
+    family = ckpt.geometry.family
+    causal_lm = getattr(transformers, family.causal_lm)
+    text_config = getattr(transformers, family.text_config_class)
     text = {k: v for k, v in ckpt.geometry.config.items() if k != "model_type"}
     with _parameters_on_meta():
-        model = Gemma4ForCausalLM(Gemma4TextConfig(**text, attn_implementation="eager")).eval()
+        model = causal_lm(text_config(**text, attn_implementation="eager")).eval()
     own = model.state_dict()
     float32_bytes = 4 * sum(p.numel() for p in model.parameters())
     dtype = torch.float32 if float32_bytes <= FLOAT32_MAX_BYTES else torch.bfloat16
@@ -81,14 +86,15 @@ def transformers_model(checkpoint_dir: Path) -> Any:
                 f"tensors missing: {', '.join(ckpt.prefix + k.removeprefix('model.') for k in missing[:5])}"
             )
         raise CheckpointError(
-            f"{checkpoint_dir}: transformers' Gemma 4 for config.json cannot load the checkpoint, {what}; "
+            f"{checkpoint_dir}: transformers' {family.name} for config.json cannot load the checkpoint, "
+            f"{what}; "
             "run `make download` again or fix the checkpoint"
         )
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     for name, p in model.named_parameters():
         if p.is_meta:
-            raise CheckpointError(f"{checkpoint_dir}: transformers' Gemma 4 has no weight for {name}")
+            raise CheckpointError(f"{checkpoint_dir}: transformers' {family.name} has no weight for {name}")
     _quantize_static_inputs(model, ckpt)
     return model
 

@@ -168,6 +168,7 @@ class Plan:
     weight_scheme: str
     kv_cache_bits: int
     max_context: int
+    usable_context: int  # tokens a conversation holds in this job's graph kinds (Runtime.usable_context)
     params: dict[str, int]
     parts: list[PartPlan]
     graphs: list[GraphPlan]
@@ -534,6 +535,9 @@ def make_plan(job: Job, geo: Geometry, cfg: PipelineConfig) -> Plan:
         "in_graphs": in_graphs,
     }
 
+    from stages.runtimes import get_runtime
+
+    usable = get_runtime(cfg.runtime).usable_context(geo, cfg.max_context, [k.ar for k in job.kinds])
     four_bit *= len(binaries) // len(parts)  # each part's weights are stored this many times
     limits = limit_checks(cfg, binaries, mapped, device, device + four_bit)
     warnings = _plan_warnings(cfg, separate - shared, luts, limits)
@@ -546,6 +550,7 @@ def make_plan(job: Job, geo: Geometry, cfg: PipelineConfig) -> Plan:
         weight_scheme=cfg.decoder_scheme.name,
         kv_cache_bits=cfg.kv_cache_bits,
         max_context=cfg.max_context,
+        usable_context=usable,
         params=param_counts,
         parts=parts,
         graphs=graphs,
@@ -710,6 +715,7 @@ class LayoutPlan:
     decode_bound: str  # "memory" or "compute"
     prefill_tokens_per_s: float
     ttft_s: dict[int, float]  # prompt tokens -> estimated time to first token
+    usable_context: int  # tokens a conversation holds (Plan.usable_context)
     quality_rank: int
     limits: dict[str, bool]
     genie: str
@@ -782,6 +788,7 @@ def make_layouts(geo: Geometry, cfg: PipelineConfig) -> list[LayoutPlan]:
                 decode_bound=decode.bound,
                 prefill_tokens_per_s=plan.prefill_tokens_per_s,
                 ttft_s=plan.ttft_s,
+                usable_context=plan.usable_context,
                 quality_rank=quality_rank(variant),
                 limits={c.limit: c.meets for c in plan.limits},
                 genie=how,
@@ -821,6 +828,7 @@ def _targets(cfg: PipelineConfig) -> str:
 def meets_targets(lay: LayoutPlan, cfg: PipelineConfig) -> bool:
     return (
         bool(lay.fits.get(cfg.target_phone_ram_gb))
+        and cfg.ttft_prompt_tokens < lay.usable_context
         and lay.ttft_s[cfg.ttft_prompt_tokens] <= cfg.max_ttft_s
         and lay.decode_tokens_per_s_ceiling >= cfg.min_decode_tokens_per_s
     )

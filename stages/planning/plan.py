@@ -42,6 +42,8 @@ def render_plan(
     out = [
         f"Plan: {plan.model} on {plan.soc} ({plan.dsp_arch}), {plan.precision} "
         f"({plan.weight_scheme} decoder weights), KV {plan.kv_cache_bits}-bit",
+        f"Context: graphs of {plan.max_context} positions; a conversation (prompts and replies) holds "
+        f"{plan.usable_context} tokens, the past the widest graph kind keeps",
         "",
         "Parameters",
     ]
@@ -96,7 +98,7 @@ def render_plan(
     out += render_roofline(plan)
     if layouts:
         out += ["", "Layouts side by side (same model, SoC and context; rates and TTFT are ceilings)"]
-        out += render_layouts(layouts, plan.max_context)
+        out += render_layouts(layouts)
     if layouts and cfg:
         out += ["", "Layout rule (the preset's targets)"]
         out += render_rule(layouts, cfg)
@@ -119,9 +121,9 @@ def render_limits(limits: list[LimitCheck]) -> list[str]:
     return out
 
 
-def _ttft(seconds: float, prompt: int, max_context: int) -> str:
-    """A prompt that fills the context leaves no room for the reply: Genie refuses it."""
-    if prompt >= max_context:
+def _ttft(seconds: float, prompt: int, usable_context: int) -> str:
+    """A prompt that fills the usable context leaves no room for the reply."""
+    if prompt >= usable_context:
         return "> ctx"
     return f"{seconds:.2f} s"
 
@@ -139,7 +141,7 @@ def render_roofline(plan: Plan) -> list[str]:
         for c in [*plan.calls, *plan.calls_by_ar]
     ]
     out = _table(rows, ["graph kind", "read", "ops", "memory time", "compute time", "bound"])
-    ttft = ", ".join(f"{n} tokens {_ttft(v, n, plan.max_context)}" for n, v in plan.ttft_s.items())
+    ttft = ", ".join(f"{n} tokens {_ttft(v, n, plan.usable_context)}" for n, v in plan.ttft_s.items())
     out += [
         f"  decode: at most {plan.decode_tokens_per_s_ceiling} tokens/s; prefill: at most "
         f"{plan.prefill_tokens_per_s} tokens/s; time to first token at least: {ttft}",
@@ -168,7 +170,7 @@ def render_rule(layouts: list[LayoutPlan], cfg: PipelineConfig) -> list[str]:
     return out
 
 
-def render_layouts(layouts: list[LayoutPlan], max_context: int) -> list[str]:
+def render_layouts(layouts: list[LayoutPlan]) -> list[str]:
     phones = sorted({ram for lay in layouts for ram in lay.fits})
     prompts = list(layouts[0].ttft_s)
     rows = []
@@ -182,12 +184,18 @@ def render_layouts(layouts: list[LayoutPlan], max_context: int) -> list[str]:
                 fmt_gib(lay.pinned_bytes),
                 f"{lay.decode_tokens_per_s_ceiling} ({lay.decode_bound[:3]})",
                 f"{lay.prefill_tokens_per_s:,.0f}",
-                *[_ttft(lay.ttft_s[n], n, max_context) for n in prompts],
+                str(lay.usable_context),
+                *[_ttft(lay.ttft_s[n], n, lay.usable_context) for n in prompts],
                 *["fits" if lay.fits[ram] else "no" for ram in phones],
             ]
         )
     header = ["layout (* = this config)", "binaries", "largest ctx", "mapped", "pinned", "decode tok/s"]
-    header += ["prefill tok/s", *[f"TTFT {n}" for n in prompts], *[f"{ram} GB" for ram in phones]]
+    header += [
+        "prefill tok/s",
+        "usable ctx",
+        *[f"TTFT {n}" for n in prompts],
+        *[f"{ram} GB" for ram in phones],
+    ]
     out = _table(rows, header)
     for ram in phones:
         best = recommended_layout(layouts, ram)

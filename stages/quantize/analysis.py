@@ -52,6 +52,11 @@ class GraphAnalysis:
     kv_groups: dict[tuple[str, int], set[str]]  # (key|value, layer) -> tensors sharing one encoding
     ple_nodes: list[str]
     matmul_weights: list[str]
+    # Outputs of activation x weight MatMuls. One that a KV group reaches (Gemma 3's V projection feeds
+    # the value cache through a Reshape and a Transpose only) stays 16-bit and is converted to the
+    # cache's encoding: the v69 HTP has no such MatMul with an 8-bit output (onnxruntime-qnn 2.7.0
+    # refuses its weight's DequantizeLinear; tests/integration/test_gemma3.py).
+    weight_matmul_outputs: frozenset[str] = frozenset()
 
 
 def analyse(model) -> GraphAnalysis:
@@ -63,11 +68,12 @@ def analyse(model) -> GraphAnalysis:
         for i in n.input:
             consumers[i].append(n)
 
-    act_matmuls, weights = [], []
+    act_matmuls, weights, weighted_outputs = [], [], set()
     for n in graph.node:
         if n.op_type == "MatMul":
             if n.input[1] in inits:
                 weights.append(n.input[1])
+                weighted_outputs.add(n.output[0])
             elif n.input[0] not in inits:
                 act_matmuls.append((n.name, n.input[1]))
 
@@ -121,4 +127,6 @@ def analyse(model) -> GraphAnalysis:
         for o in n.output:
             todo += consumers.get(o, [])
     order = {n.name: i for i, n in enumerate(graph.node)}
-    return GraphAnalysis(act_matmuls, kv_groups, sorted(ple, key=order.get), weights)
+    return GraphAnalysis(
+        act_matmuls, kv_groups, sorted(ple, key=order.get), weights, frozenset(weighted_outputs)
+    )

@@ -107,9 +107,22 @@ def _kv_encodings(graph, analysis: GraphAnalysis, view, problems: list[str]) -> 
                 float(onnx.numpy_helper.to_array(inits[n.input[1]])),
                 int(onnx.numpy_helper.to_array(zp)) if zp is not None else 0,
             )
+    # A 16-bit MatMul product converted to the cache's encoding (GraphAnalysis.weight_matmul_outputs)
+    # is read by the group through onnxruntime's convert, t -> Q -> DQ -> Q' -> DQ': its encoding in
+    # the group is Q''s, the Quantize of the first DequantizeLinear's output.
+    dequantized = {n.input[0]: n.output[0] for n in graph.node if n.op_type == "DequantizeLinear"}
+    quantized = {n.input[0]: n.output[0] for n in graph.node if n.op_type == "QuantizeLinear"}
+
+    def group_encoding(t: str):
+        if t in analysis.weight_matmul_outputs:
+            converted = dequantized.get(quantized.get(t, ""), "")
+            if converted in scale_of:
+                return scale_of[converted]
+        return scale_of.get(t)
+
     kv_encodings = {}
     for (which, layer), tensors in sorted(analysis.kv_groups.items()):
-        found = {scale_of[t] for t in tensors if t in scale_of}
+        found = {group_encoding(t) for t in tensors} - {None}
         kv_encodings[f"{which}_{layer}"] = sorted(found)
         if len(found) != 1:
             problems.append(f"{which} cache of layer {layer}: {len(found)} encodings {sorted(found)}")

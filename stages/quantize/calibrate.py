@@ -133,7 +133,13 @@ def quant_settings(
             raise QuantizeError(f"no calibrated range for the {key[0]} cache of layer {key[1]}")
         lo, hi = ranges.kv[key]
         for t in tensors:
-            overrides[t] = [{"quant_type": kv_type, "rmin": np.float32(lo), "rmax": np.float32(hi)}]
+            kv = {"quant_type": kv_type, "rmin": np.float32(lo), "rmax": np.float32(hi)}
+            if t in analysis.weight_matmul_outputs and kv_type != QuantType.QUInt16:
+                # The product itself stays 16-bit (its calibrated range); one Convert then gives it
+                # the cache's encoding (GraphAnalysis.weight_matmul_outputs says why).
+                overrides[t] = [{"quant_type": QuantType.QUInt16, "convert": kv}]
+            else:
+                overrides[t] = [kv]
     for name, (lo, hi) in ranges.boundary.items():
         if name in graph_tensors and not (name == PER_LAYER_EMBEDS and cfg.ple_policy == "float16"):
             overrides[name] = [

@@ -41,6 +41,11 @@ class Runtime(Protocol):
         `make plan`'s layout table."""
         ...
 
+    def usable_context(self, geo: Geometry, max_context: int, ars: list[int]) -> int:
+        """The most tokens one conversation (prompts and replies together) holds in graphs of these ARs
+        at this context: `make plan` states it for each layout, and the bundle writes it."""
+        ...
+
     def lut_problems(self, lut_bytes: dict[str, int]) -> list[str]:
         """Which host LUTs (export report key -> bytes) this runtime cannot load, one line each:
         `make plan` warns of them before anything is built."""

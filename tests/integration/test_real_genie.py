@@ -36,6 +36,9 @@ def test_verify_runs_the_real_genie_first_and_it_answers_as_transformers(bundle)
     assert set(real["statuses"]) == {"chat", "second query", "long", "token limit", "own sampler"}
     assert all(status >= 0 for status in real["statuses"].values())
     assert real["answers"]["second query"] and real["answers"]["own sampler"]
+    # Compared in token ids, each comparison named with its verdict.
+    verdicts = {c["case"]: (c["verdict"], c["asked"]) for c in real["comparisons"]}
+    assert verdicts == {"chat": ("passed", 8), "long": ("passed", 8), "token limit": ("passed", 3)}
     assert (work / ".g4v69" / "genie-logs" / "genie-greedy.log").stat().st_size > 0
     # `make run` sends the phone's genie-t2t-run exactly the text the real Genie got here.
     assert real["chat_query"] == query_text(bundle, PROMPT)
@@ -61,19 +64,72 @@ def _edited(bundle: Path, dest: Path, edit) -> Path:
     return dest
 
 
-def test_a_full_context_is_a_clean_stop_only_one_below_the_graphs_context(bundle, tmp_path):
-    """A greedy reply with no useful limit fills the context. At the graphs' own context Genie fails
-    the query (its KV$ has no slot for the last token); at dialog_context_size it stops with a
-    warning status and the reply intact."""
-    config = json.loads((bundle / GENIE_CONFIG).read_text())
-    size = config["dialog"]["context"]["size"]
-    assert size == dialog_context_size(128)
-    text = query_text(bundle, PROMPT)
-    ok = run_dialog(bundle, [Query(text, 1000)], tmp_path / "ok.log", sampler=GREEDY)
-    assert ok.statuses[0] > 0 and "Context limit exceeded" in ok.log.read_text(errors="replace")
-    assert len(ok.answers[0]) > 40
-    full = _edited(bundle, tmp_path / "full", lambda d: d["context"].update(size=size + 1))
-    bad = run_dialog(full, [Query(text, 1000)], tmp_path / "bad.log", sampler=GREEDY)
+# Genie's verbose log: each inference step it plans ("Step 0: AR-4 CL-128 n_past=120 n_kv=120 n_process=4").
+STEP = re.compile(r"Step \d+: AR-(\d+) CL-(\d+) n_past=\d+ n_kv=(\d+) n_process=(\d+)")
+
+
+def overfilled_steps(log: Path) -> list[str]:
+    """The steps of a Genie run that ask a graph to keep more entries than its past holds (a graph of
+    AR t at context C holds C - t): Genie runs them without an error of its own (status -6 at best)."""
+    text = log.read_text(errors="replace")
+    return [
+        m.group(0)
+        for m in STEP.finditer(text)
+        if int(m.group(3)) + int(m.group(4)) > int(m.group(2)) - int(m.group(1))
+    ]
+
+
+def _context_size(bundle: Path) -> int:
+    return json.loads((bundle / GENIE_CONFIG).read_text())["dialog"]["context"]["size"]
+
+
+def test_a_second_query_stops_cleanly_before_the_prefill_graph_is_full(bundle, tmp_path):
+    """The two-kind layout (AR-4 prefill, AR-1 decode, context 128): the AR-4 graph holds 124 past
+    entries, the AR-1 graph 127. A second query that lands between the two (n_past 120, then 6 inputs)
+    must be refused with Genie's context warning; at context.size 127 Genie instead prefilled it through
+    the AR-4 graph into entries 124 and 125, which that graph does not have (measured: no warning)."""
+    assert _context_size(bundle) == dialog_context_size([128 - 4, 128 - 1]) == 124
+    # The tiny tokenizer makes one token of each "x": bos-token and 119 tokens, one reply token (never
+    # processed), then bos-token and 5 tokens.
+    queries = [Query("x" * 119, 1, reset_before=True), Query("x" * 5, 1)]
+    run = run_dialog(bundle, queries, tmp_path / "g.log", sampler=GREEDY)
+    assert run.statuses[1] > 0 and overfilled_steps(run.log) == []
+    assert "Context limit exceeded (120 + 6 > 124)" in run.log.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def one_kind(quantized_tiny, tmp_path_factory) -> Path:
+    """The tiny model in one graph kind for prompt and decode (prefill_ar = decode_ar = 4, the
+    default preset's layout at tiny scale), exported to bundled: its genie_bundle/."""
+    from stages.compile import run_compile
+    from stages.export import run_export
+    from stages.quantize import run_quantize
+    from stages.runtimes.genie.bundle import run_bundle
+
+    work = tmp_path_factory.mktemp("one-kind")
+    shutil.copytree(quantized_tiny / "checkpoints", work / "checkpoints", symlinks=True)
+    cfg, ckpt = load_config("tiny", {"prefill_ar": 4, "decode_ar": 4}), work / "checkpoints" / "tiny"
+    run_export(cfg, work, ckpt)
+    run_quantize(cfg, work, ckpt)
+    run_compile(cfg, work)
+    run_bundle(cfg, work, ckpt)
+    return work / "genie_bundle"
+
+
+def test_a_full_context_is_a_clean_stop_in_one_graph_kind(one_kind, tmp_path):
+    """The one-kind layout's AR-4 graphs hold 124 past entries, so context.size is 124 (not the 127 an
+    AR-1 decode graph would allow): a reply that fills it stops with Genie's context warning and no
+    step asks a graph for more than it holds. One more (context.size 125) fails the query (status -6,
+    "KV update count exceeds": the AR-4 graph has no slot for the 125th entry). A 119-token prompt
+    (bos-token and 118 tokens) leaves 5 decode steps before the context is full."""
+    size = _context_size(one_kind)
+    assert size == dialog_context_size([128 - 4]) == 124
+    fill = [Query("x" * 118, 100, reset_before=True)]
+    ok = run_dialog(one_kind, fill, tmp_path / "ok.log", sampler=GREEDY)
+    assert ok.statuses == [4] and ok.answers[0]
+    assert "Context limit exceeded" in ok.log.read_text(errors="replace") and overfilled_steps(ok.log) == []
+    over = _edited(one_kind, tmp_path / "over", lambda d: d["context"].update(size=size + 1))
+    bad = run_dialog(over, fill, tmp_path / "bad.log", sampler=GREEDY)
     assert bad.statuses[0] < 0 and "KV update count exceeds" in bad.errors()
 
 

@@ -104,7 +104,7 @@ def test_precision_and_ple_policy_re_export():
 
 
 def test_unknown_preset_lists_presets():
-    with pytest.raises(ConfigError, match="allowed values: default, qat, tiny"):
+    with pytest.raises(ConfigError, match="allowed values: default, gemma3-270m, qat, tiny"):
         load_config("nonexistent")
 
 

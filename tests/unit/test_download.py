@@ -295,11 +295,14 @@ def test_extra_text_tensors_are_accepted_and_listed(tiny_copy):
     assert summary.unused_tensors == (bm.TEXT_PREFIX + "layers.1.self_attn.extra.weight",)
 
 
+NOT_GEMMA = "is not a Gemma 4 or Gemma 3 config"
+
+
 @pytest.mark.parametrize(
     "config, message",
     [
-        ({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}, "is not a Gemma 4 config"),
-        ({"model_type": "gemma4", "text_config": {"model_type": "gemma3_text"}}, "is not a Gemma 4 config"),
+        ({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}, NOT_GEMMA),
+        ({"model_type": "gemma4", "text_config": {"model_type": "gemma3_text"}}, NOT_GEMMA),
         ({"model_type": "gemma4", "text_config": {"model_type": "gemma4_text"}}, "lacks 'hidden_size'"),
     ],
 )
@@ -378,7 +381,7 @@ def test_a_folder_name_model_without_from_says_to_import_it(g4v69, tmp_path):
 def test_cli_from_a_wrong_model_fails(g4v69, tiny_copy, tmp_path):
     (tiny_copy / "config.json").write_text(json.dumps({"model_type": "qwen3", "text_config": {}}))
     r = g4v69("--workdir", str(tmp_path / "w"), "--model", "tiny", "download", "--from", str(tiny_copy))
-    assert r.exit_code == 2 and "is not a Gemma 4 config (model_type 'qwen3')" in r.output
+    assert r.exit_code == 2 and "is not a Gemma 4 or Gemma 3 config (model_type 'qwen3')" in r.output
 
 
 def test_a_failed_rerun_keeps_the_previous_checkpoint(g4v69, tiny_copy, tmp_path):

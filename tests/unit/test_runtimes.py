@@ -16,7 +16,8 @@ def test_each_runtime_implements_the_interface(name):
     assert isinstance(runtime, Runtime) and runtime.name == name
     # Its package lives under stages/runtimes/<name>/, where a newcomer looks for it.
     assert importlib.import_module(RUNTIMES[name]).__name__ == f"stages.runtimes.{name}"
-    for method in ("layout_problems", "describe_layout", "lut_problems", "package", "check", "push", "run"):
+    methods = ("layout_problems", "describe_layout", "usable_context", "lut_problems", "package", "check")
+    for method in (*methods, "push", "run"):
         want = list(inspect.signature(getattr(Runtime, method)).parameters)[1:]
         assert list(inspect.signature(getattr(runtime, method)).parameters) == want, method
 
@@ -104,3 +105,24 @@ def test_the_plan_takes_its_layout_wording_from_the_runtime():
         assert how == genie.describe_layout(variant.prefill_ar, variant.decode_ar)
     planner = (Path(__file__).parents[2] / "stages" / "planning" / "fitting.py").read_text()
     assert "prepareInferenceStrategy: it picks" not in planner and "chunks (last one padded)" not in planner
+
+
+def test_the_plan_states_the_context_each_layout_can_use():
+    """A graph of AR t at context C holds C - t past entries, and Genie must never be asked for more:
+    the usable context (genie_config.json's context.size) is the widest graph kind's past, for the
+    config's layout and for every layout of the table (measured: tests/integration/test_real_genie.py)."""
+    from stages.core.config import load_config
+    from stages.model.geometry import builtin_geometry
+    from stages.planning.fitting import make_layouts, plan_config
+    from stages.planning.plan import render_plan
+
+    genie, tiny = get_runtime("genie"), builtin_geometry("tiny")
+    assert [genie.usable_context(tiny, 128, ars) for ars in ([4, 1], [4], [1])] == [124, 124, 127]
+    cfg = load_config("tiny")
+    plan = plan_config(tiny, cfg)
+    assert plan.usable_context == 124
+    assert all(lay.usable_context == 128 - lay.prefill_ar for lay in make_layouts(tiny, cfg))
+    e2b, default = builtin_geometry("e2b-random"), load_config()
+    plan = plan_config(e2b, default)  # one graph kind at AR-32, context 2048
+    assert plan.usable_context == 2048 - 32
+    assert "holds 2016 tokens" in render_plan(plan)

@@ -42,6 +42,15 @@ class GenieRuntime:
 
         return layout_behaviour(prefill_ar, decode_ar)
 
+    def usable_context(self, geo, max_context: int, ars: list[int]) -> int:
+        """genie_config.json's context.size for these graph kinds (rules.dialog_context_size): the
+        past a full-attention cache holds in the widest graph (`cache_slots`)."""
+        from stages.model.contract import cache_slots
+        from stages.model.geometry import FULL
+        from stages.runtimes.genie.rules import dialog_context_size
+
+        return dialog_context_size(cache_slots(geo, FULL, max_context, ar) for ar in ars)
+
     def lut_problems(self, lut_bytes: dict[str, int]) -> list[str]:
         from stages.runtimes.genie.rules import lut_problems
 

@@ -38,6 +38,7 @@ from stages.model.contract import (
     LUT_INPUTS,
     MASK_NAME,
     ROPE_PREFIX,
+    cache_slots,
     rope_name,
 )
 from stages.model.encoding import REQUANTIZE, Encoding, feed_mode, shared_tensor_mismatches
@@ -117,6 +118,17 @@ def kv_dims(inputs: dict[str, list[int]]) -> dict[str, int]:
     return dims
 
 
+def full_masks(io: dict[str, dict[str, dict[str, Any]]]) -> list[list[int]]:
+    """Each graph's full-attention mask shape (1, 1, AR, context), from compile's graph I/O."""
+    return [g["inputs"][MASK_NAME[FULL]]["shape"] for g in io.values() if MASK_NAME[FULL] in g["inputs"]]
+
+
+def past_entries(masks: list[list[int]], geo: Geometry) -> list[int]:
+    """The past entries a full-attention cache holds in each graph kind, read from the graphs' masks
+    (1, 1, AR, context): what Genie can keep before a graph has no slot left (rules.dialog_context_size)."""
+    return sorted({cache_slots(geo, FULL, shape[-1], shape[-2]) for shape in masks})
+
+
 def backend_kv_dim(dims: dict[str, int]) -> int:
     """QnnHtp's top-level kv-dim: Genie's default for a cache group that names none (qualla
     engines/qnn-htp.cpp reads it, default 128); ours is the smallest group's, as in Qualcomm's own
@@ -138,7 +150,11 @@ def render_context(
     io = _io(compiled)
     ids = checkpoint_fields(checkpoint_dir)
     logits = _first(io, "outputs", LOGITS)
-    mask = _first(io, "inputs", MASK_NAME[FULL])
+    masks = full_masks(io)
+    if not masks:
+        raise BundleError(
+            f"no compiled graph has the input tensor {MASK_NAME[FULL]!r}; run `make compile` again"
+        )
     dims = kv_dims({t: e["shape"] for g in io.values() for t, e in g["inputs"].items()})
     groups = []
     for attention in (FULL, SLIDING):
@@ -180,7 +196,7 @@ def render_context(
         }
     return {
         "context": {
-            "size": dialog_context_size(mask["shape"][-1]),
+            "size": dialog_context_size(past_entries(masks, geo)),
             "n_vocab": logits["shape"][-1],
             "bos": ids["context"]["bos-token"],
             "eos": ids["context"]["eos-token"],
@@ -299,10 +315,15 @@ def lut_feeds(genie: dict[str, Any], io: dict[str, dict[str, dict[str, Any]]]) -
 
 
 def config_vs_graphs(
-    dialog: dict[str, Any], inputs: dict[str, list[int]], outputs: dict[str, list[int]], geo: Geometry
+    dialog: dict[str, Any],
+    inputs: dict[str, list[int]],
+    outputs: dict[str, list[int]],
+    geo: Geometry,
+    masks: list[list[int]],
 ) -> list[str]:
     """Where genie_config.json's dialog disagrees with the graphs' input and output shapes or the model:
-    context size, vocabulary, LUT widths, cache groups (prefix, kv-dim, mask, window), RoPE. One set of
+    context size (from every graph's full-attention mask, `masks`: the graph kinds hold different
+    pasts), vocabulary, LUT widths, cache groups (prefix, kv-dim, mask, window), RoPE. One set of
     rules for two sources: the bundle stage passes the compile report's I/O before it writes anything,
     verify the shapes it reads from the quantized graphs the binaries were compiled from."""
     problems: list[str] = []
@@ -311,8 +332,8 @@ def config_vs_graphs(
         if got != want:
             problems.append(f"genie_config.json {what} is {got}, the graphs and the model say {want}")
 
-    if MASK_NAME[FULL] in inputs:
-        expect("context.size", dialog["context"]["size"], dialog_context_size(inputs[MASK_NAME[FULL]][-1]))
+    if masks:
+        expect("context.size", dialog["context"]["size"], dialog_context_size(past_entries(masks, geo)))
     if LOGITS in outputs:
         expect("context.n-vocab", dialog["context"]["n-vocab"], outputs[LOGITS][-1])
     for tensor, key in LUT_INPUTS.items():
@@ -380,7 +401,7 @@ def consistency_errors(
         direction: {t: e["shape"] for g in io.values() for t, e in g[direction].items()}
         for direction in ("inputs", "outputs")
     }
-    errors += config_vs_graphs(d, shapes["inputs"], shapes["outputs"], geo)
+    errors += config_vs_graphs(d, shapes["inputs"], shapes["outputs"], geo, full_masks(io))
     errors += [f"genie_config.json {e}" for e in sampler_problems(d["sampler"], d["context"]["n-vocab"])]
     for lut_key in LUT_INPUTS.values():
         key = LUT_SECTION[lut_key]

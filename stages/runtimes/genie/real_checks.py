@@ -3,23 +3,31 @@
 - `chat`: the prompt through the bundle's chat template, exactly as `make run` sends it, greedy;
 - `long`: the raw prompt repeated past one prefill chunk and the sliding window, greedy (its answer
   crosses the window when the reply is longer than the window);
-- `token limit`: GenieDialog_setMaxNumTokens stops the reply (no error status, no more tokens);
+- `token limit`: GenieDialog_setMaxNumTokens stops the reply (no error status, no more tokens); the
+  same greedy prompt as `chat`, so its ids must be the chat answer's first ids;
 - `second query`: a short second chat turn in the same dialog, after the token-limit reply (left out,
   and absent from the report, when the two turns do not fit the context);
 - `own sampler`: the bundle's own sampler config with no token limit, so the reply ends at EOS or at
   a full context: a clean stop (status >= 0: Genie's context warning is not an error).
 
-The greedy answers are compared afterwards (compare()): the chat answer with transformers' greedy
-continuation, the long one with the emulator's on the same binaries.
-"""
+The greedy answers are compared afterwards (compare()) in token ids, never as text: the chat answer
+with transformers' greedy ids, the long one with the emulator's on the same binaries. Genie answers
+in text (GenieDialog_query); its ids are the text re-tokenized, used only where that is exact (the ids
+decode to the very text). GenieDialog_tokenQuery, which answers in ids, cannot be used: QAIRT 2.51's
+x86 libGenie.so leaves Gemma 4's per_layer_inputs unfilled on that path (docs/facts.md §3 (k)). A
+comparison with nothing to compare (no tokens asked, an empty reference, an answer that does not
+re-tokenize exactly) is reported as not checked, never as passed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.runtimes.genie.files import GENIE_CONFIG
 from stages.runtimes.genie.real import GREEDY, DialogRun, Query, RealGenieError, run_dialog
+from stages.runtimes.genie.rules import reset_after_wrap_works
 
 # Tokens of the short reply the token-limit case asks for.
 LIMIT_TOKENS = 3
@@ -36,6 +44,7 @@ class RealRuns:
     greedy_cases: list[tuple[str, list[int]]]  # (case, prompt ids) compared with transformers
     chat_query: str  # the text GenieDialog_query got: `make run`'s (prompt.query_text)
     new_tokens: int  # the greedy answers' token limit
+    comparisons: list[Comparison] = field(default_factory=list)  # compare()'s, once made
 
     def per_case(self, what: str) -> dict[str, Any]:
         return {n: v for names, run in self.runs for n, v in zip(names, getattr(run, what), strict=True)}
@@ -47,6 +56,7 @@ class RealRuns:
     def figures(self) -> dict[str, Any]:
         return {
             "ran": True,
+            "dialogs": [list(names) for names, _ in self.runs],
             "library": "libGenie.so (onnxruntime-qnn, QAIRT 2.51) over the x86 HTP emulation",
             "chat_query": self.chat_query,
             "create_s": max(run.create_s for _, run in self.runs),
@@ -54,6 +64,7 @@ class RealRuns:
             "statuses": self.per_case("statuses"),
             "answers": self.per_case("answers"),
             "peak_rss_bytes": max(run.peak_rss_bytes for _, run in self.runs),
+            "comparisons": [c.to_dict() for c in self.comparisons],
         }
 
 
@@ -95,7 +106,8 @@ def run_cases(
     context_size: int,
     logs: Path,
 ) -> RealRuns:
-    """Every case, in two dialogs (greedy, then the bundle's own sampler)."""
+    """Every case, in two dialogs (greedy, then the bundle's own sampler); the greedy one split where
+    Genie cannot reset a dialog after a wrapped window (`_dialogs`)."""
     long_text, long_ids = long_prompt_ids(encode, bos, raw_prompt, past_window)
     # The second turn follows the token-limit reply in the same dialog, when both turns fit the context.
     second = len(chat_ids) + LIMIT_TOKENS + len(encode(follow_up)) + LIMIT_TOKENS < context_size
@@ -108,10 +120,28 @@ def run_cases(
     names = ("chat", "long", "token limit", *(("second query",) if second else ()))
     own = [Query(chat_text, context_size, reset_before=True)]
     runs = [
-        _checked(names, run_dialog(bundle_dir, greedy, logs / "genie-greedy.log", sampler=GREEDY)),
-        _checked(("own sampler",), run_dialog(bundle_dir, own, logs / "genie-sampled.log")),
+        _checked(cases, run_dialog(bundle_dir, queries, logs / f"genie-greedy{suffix}.log", sampler=GREEDY))
+        for suffix, cases, queries in _dialogs(bundle_dir, names, greedy)
     ]
+    runs.append(_checked(("own sampler",), run_dialog(bundle_dir, own, logs / "genie-sampled.log")))
     return RealRuns(runs, [("chat", chat_ids), ("long", long_ids)], chat_text, max_new_tokens)
+
+
+def _dialogs(
+    bundle_dir: Path, names: tuple[str, ...], queries: list[Query]
+) -> list[tuple[str, tuple[str, ...], list[Query]]]:
+    """The greedy queries in one dialog, or, where Genie cannot reset a dialog after a wrapped window
+    (rules.reset_after_wrap_works), a dialog per query that resets it: (log suffix, cases, queries)."""
+    dialog = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
+    if reset_after_wrap_works(dialog):
+        return [("", names, queries)]
+    out: list[tuple[str, tuple[str, ...], list[Query]]] = []
+    for name, query in zip(names, queries, strict=True):
+        if query.reset_before or not out:
+            out.append((f"-{name.replace(' ', '-')}", (), []))
+        suffix, cases, held = out[-1]
+        out[-1] = (suffix, (*cases, name), [*held, query])
+    return out
 
 
 def run_short(bundle_dir: Path, chat_text: str, chat_ids: list[int], new_tokens: int, logs: Path) -> RealRuns:
@@ -123,33 +153,113 @@ def run_short(bundle_dir: Path, chat_text: str, chat_ids: list[int], new_tokens:
     return RealRuns([run], [("chat", chat_ids)], chat_text, new_tokens)
 
 
-def compare(
-    runs: RealRuns, wants: dict[str, tuple[str, list[int]]], decode, encode, min_prefix: int
-) -> list[str]:
-    """Shortfalls of the real Genie's greedy answers against `wants`: per case, who answered and its
-    greedy tokens (stop token excluded): transformers on the chat prompt (the quality bar), the
-    emulator on the same binaries for the long one (the runtime bar: past the window, the two must
-    agree whatever quantization did to the answer). Each answer must start with the first
-    `min_prefix` tokens (at most the answers' own limit), decoded; the token-limit reply must hold
-    no more tokens than asked; every other reply must be text."""
-    problems = []
-    answers = runs.per_case("answers")
-    min_prefix = min(min_prefix, runs.new_tokens)
-    for case, (who, tokens) in wants.items():
-        want = decode(tokens[:min_prefix])
-        if not answers[case].startswith(want):
-            problems.append(
-                f"the real Genie answers the {case!r} prompt {answers[case][:60]!r}, {who} "
-                f"{decode(tokens)[:60]!r} (first {min(min_prefix, len(tokens))} tokens must agree)"
-            )
-    if "token limit" in answers and len(encode(answers["token limit"])) > LIMIT_TOKENS:
-        problems.append(
-            f"the real Genie answered {answers['token limit']!r} past its token limit of {LIMIT_TOKENS}"
+PASSED, FAILED, NOT_CHECKED = "passed", "failed", "not checked"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One real-Genie answer against its reference, in token ids: the first `asked` ids must be equal;
+    with nothing to compare (`asked` 0) the verdict is NOT_CHECKED, which is never a pass."""
+
+    case: str
+    against: str  # who gave the reference, or what the reply is held to
+    asked: int  # ids that must agree (the token limit: the most the reply may hold)
+    agreed: int  # leading ids that do agree (the token limit: the ids the reply holds)
+    verdict: str
+    why: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def leading_agreement(a: list[int], b: list[int]) -> int:
+    """How many ids the two sequences share from the first."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def compare_ids(
+    case: str, against: str, got: list[int], want: list[int], min_tokens: int, new_tokens: int
+) -> Comparison:
+    """Genie's greedy ids against the reference's (stop tokens already left out of both): the first
+    min(min_tokens, new_tokens, len(want)) must be equal; `agreed` counts all the equal leading ids."""
+    asked = min(min_tokens, new_tokens, len(want))
+    if asked == 0:
+        why = (
+            "no tokens asked (VERIFY_MIN_PREFIX=0)"
+            if min_tokens <= 0
+            else "no tokens asked of Genie"
+            if new_tokens <= 0
+            else f"the answer of {against} is empty"
         )
+        return Comparison(case, against, 0, 0, NOT_CHECKED, why)
+    agreed = leading_agreement(got, want)
+    return Comparison(case, against, asked, agreed, PASSED if agreed >= asked else FAILED)
+
+
+def exact_ids(text: str, encode, decode) -> list[int] | None:
+    """`text` re-tokenized, where that is exact (decoding the ids gives the text back), else None."""
+    ids = encode(text)
+    return ids if decode(ids) == text else None
+
+
+def _token_limit(answer: str, encode, decode) -> tuple[Comparison, str | None]:
+    """The token-limit reply re-tokenized exactly: at most LIMIT_TOKENS ids. (the comparison, the
+    problem or None)."""
+    against = f"its limit of {LIMIT_TOKENS} tokens"
+    ids = exact_ids(answer, encode, decode)
+    if ids is None:
+        return Comparison(
+            "token limit", against, 0, 0, NOT_CHECKED, "the reply does not re-tokenize exactly"
+        ), None
+    counted = f"{len(ids)} tokens"
+    if len(ids) > LIMIT_TOKENS:
+        problem = f"the real Genie answered {answer!r} ({counted}) past its token limit of {LIMIT_TOKENS}"
+        return Comparison("token limit", against, LIMIT_TOKENS, len(ids), FAILED, counted), problem
+    return Comparison("token limit", against, LIMIT_TOKENS, len(ids), PASSED, counted), None
+
+
+def compare(
+    runs: RealRuns,
+    wants: dict[str, tuple[str, list[int]]],
+    stop_ids: set[int],
+    decode,
+    encode,
+    min_tokens: int,
+) -> tuple[list[str], list[Comparison]]:
+    """Shortfalls of the real Genie's greedy answers against `wants`, and each comparison made: per
+    case, who answered and its greedy ids (stop tokens left out): transformers on the chat prompt (the
+    quality bar), the emulator on the same binaries for the long one (the runtime bar: past the window,
+    the two must agree whatever quantization did to the answer). Genie's ids are its answer
+    re-tokenized, only where that is exact (`exact_ids`); the first min(min_tokens, the answers' limit,
+    the reference's length) must be equal. The token-limit reply must be no more than LIMIT_TOKENS ids;
+    every other reply must be text."""
+    problems: list[str] = []
+    done: list[Comparison] = []
+    answers = runs.per_case("answers")
+    got_ids = {case: exact_ids(answers[case], encode, decode) for case in wants}
+    for case, (who, want) in wants.items():
+        got = got_ids[case]
+        if got is None:
+            c = Comparison(case, who, 0, 0, NOT_CHECKED, "Genie's answer does not re-tokenize exactly")
+        else:
+            c = compare_ids(
+                case, who, [t for t in got if t not in stop_ids], want, min_tokens, runs.new_tokens
+            )
+        done.append(c)
+        if c.verdict == FAILED:
+            problems.append(
+                f"the real Genie's greedy ids for the {case!r} prompt differ from those of {who} at token "
+                f"{c.agreed} (the first {c.asked} must agree): Genie {answers[case][:60]!r}, {who} "
+                f"{decode(want)[:60]!r}"
+            )
+    if "token limit" in answers:
+        c, problem = _token_limit(answers["token limit"], encode, decode)
+        done.append(c)
+        problems += [problem] if problem else []
     for case in ("second query", "own sampler"):
         if case in answers and not answers[case]:
             problems.append(f"the real Genie gave no answer to the {case!r} query")
-    return problems
+    return problems, done
 
 
-__all__ = ["RealGenieError", "RealRuns", "compare", "run_cases", "run_short"]
+__all__ = ["Comparison", "RealGenieError", "RealRuns", "compare", "run_cases", "run_short"]

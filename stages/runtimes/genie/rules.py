@@ -3,6 +3,8 @@ export, the emulator while it runs the bundle). Stdlib only."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 def window_overflow(prefix: str, step: int, slots: int, evictable: int) -> str:
     """Why Genie cannot take a step of `step` tokens into a sliding-window cache group of `slots`
@@ -31,14 +33,20 @@ def window_not_written(prefix: str, ar: int, slots: int) -> str:
     )
 
 
-def dialog_context_size(graph_context: int) -> int:
-    """genie_config.json's context.size for graphs whose attention mask spans `graph_context` slots.
+def dialog_context_size(past_entries: Iterable[int]) -> int:
+    """genie_config.json's context.size for graph kinds whose full-attention caches hold these past
+    entries each (a graph of AR t at context C holds C - t: `stages.model.contract.cache_slots`).
 
-    One less (measured on QAIRT 2.51's libGenie.so): at context.size = the graphs' context, a reply
-    that fills it runs its last token and then fails the query (status -6, "KV update count exceeds
-    the total processed inputs": the decode graph has no slot left for that token's KV$); one less,
-    Genie stops before it with a warning status ("Context limit exceeded") and the reply intact."""
-    return graph_context - 1
+    Genie checks context.size only before a query and between decode steps, never against the past
+    of the graph it runs; so the size is the smallest past. Measured on QAIRT 2.51's libGenie.so (x86,
+    HTP emulation, tiny bundles at C 128; docs/facts.md §3 (c)): one kind at AR-4 (124 past entries),
+    size 124 ends a full reply with a warning status and "Context limit exceeded (124 + 1 > 124)",
+    the reply intact; 125 and 127 fail the query (status -6, "KV update count exceeds the total
+    processed inputs": the AR-4 graph has no slot for the 125th entry). AR-4 prefill with AR-1 decode
+    at 127: a second query bringing the dialog from 120 to 126 ran through the AR-4 graph past its 124
+    entries with no error at all; at 124 Genie refuses it with "Context limit exceeded". With AR-1
+    graphs alone, C - 1 stops cleanly and C fails."""
+    return min(past_entries)
 
 
 # Genie's basic sampler (qualla samplers/basic-sampler.cpp, BasicSampler::BasicSampler): the keys it
@@ -121,3 +129,17 @@ def lut_problems(lut_bytes: dict[str, int]) -> list[str]:
         for name, size in lut_bytes.items()
         if size > LUT_LIMIT_BYTES
     ]
+
+
+def reset_after_wrap_works(dialog: dict) -> bool:
+    """Whether GenieDialog_reset leaves the dialog usable once a query has wrapped the sliding window.
+
+    Measured with QAIRT 2.51's x86 libGenie.so: a dialog without a per-layer-embedding LUT (Gemma 3, or
+    a Gemma 4 without PLE) runs its caches another way (its log prints `SWAMASK` lines), and there a
+    query after a reset that follows a wrapped window fails (`runInference(req): setupInput failed`
+    with two parts, `graph-exec failed` with one; status -1, or the process dies on a null buffer,
+    exit -11). Without the reset the next query runs,
+    and with the LUT the same reset works. The smallest reproduction, held by
+    tests/integration/test_gemma3.py: a 36-token prompt past an 8-token window, 8 tokens, reset, any
+    query."""
+    return LUT_SECTION["per_layer_embedding"] in dialog

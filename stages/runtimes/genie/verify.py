@@ -34,7 +34,9 @@ import numpy as np
 from stages.core.config import PipelineConfig
 from stages.core.pipeline import output_dir
 from stages.core.report import REPORT_NAME, STAMP_DIR, StageJob, read_report
+from stages.model.contract import MASK_NAME
 from stages.model.encoding import BITS, lut_file_bytes
+from stages.model.geometry import FULL
 from stages.model.graphs import qdq_file_name
 from stages.planning.results import CompileResult, read_result
 from stages.runtimes import RuntimeFailure
@@ -77,6 +79,7 @@ def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: CompileResult,
     binaries = {b.file: b for b in compiled.binaries}
     inputs: dict[str, list[int]] = {}
     outputs: dict[str, list[int]] = {}
+    masks: list[list[int]] = []  # per graph: the graph kinds' pasts differ, the merged inputs lose them
     for name in genie["engine"]["model"]["binary"]["ctx-bins"]:
         path = bundle_dir / name
         if name not in binaries or not path.is_file():
@@ -98,10 +101,12 @@ def check_bundle(bundle_dir: Path, quantized_dir: Path, compiled: CompileResult,
                 problems.append(f"{name}: lacks the tensors {', '.join(absent[:6])}")
             inputs.update(io["inputs"])
             outputs.update(io["outputs"])
+            if MASK_NAME[FULL] in io["inputs"]:
+                masks.append(io["inputs"][MASK_NAME[FULL]])
     if not inputs:
         return problems + ["no binary could be checked"]
 
-    problems += config_vs_graphs(genie, inputs, outputs, geo)
+    problems += config_vs_graphs(genie, inputs, outputs, geo, masks)
     for key in LUT_SECTION.values():
         lut = genie.get(key)
         if lut is None:
@@ -548,7 +553,11 @@ def _judge(
         case: ("transformers" if case == "chat" else "the emulator", [t for t in tokens if t not in stop_ids])
         for case, tokens in {"chat": cmp.theirs, **emulated_long}.items()
     }
-    problems = compare(real, real_wants, tok.decode, tok.encode, thresholds.min_prefix) if real else []
+    problems: list[str] = []
+    if real is not None:
+        problems, real.comparisons = compare(
+            real, real_wants, stop_ids, tok.decode, tok.encode, thresholds.min_prefix
+        )
     if problems:
         raise VerifyError(f"{bundle_dir}: " + "; ".join(problems) + f" (logs: {real.log_dir})")
     shortfalls = thresholds.shortfalls(

@@ -1,0 +1,67 @@
+"""verify's comparisons of the real Genie's answers (real_checks.compare): token ids, never text
+prefixes, and nothing passes without something compared."""
+
+from __future__ import annotations
+
+from stages.runtimes.genie.real import DialogRun
+from stages.runtimes.genie.real_checks import FAILED, NOT_CHECKED, PASSED, RealRuns, compare
+
+VOCAB = ["<eos>", *"abcdefghijklmnopqrstuvwxyz \n"]
+
+
+def encode(text: str) -> list[int]:
+    return [VOCAB.index(c) for c in text if c in VOCAB]
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(VOCAB[i] for i in ids if i != 0)
+
+
+def _runs(chat: str, limit: str = "ab", new_tokens: int = 8) -> RealRuns:
+    run = DialogRun(answers=[chat, limit], statuses=[0, 0])
+    return RealRuns([(("chat", "token limit"), run)], [("chat", [])], "", new_tokens)
+
+
+def _verdicts(runs: RealRuns, want: str, min_tokens: int = 8) -> tuple[list[str], dict[str, tuple]]:
+    problems, done = compare(runs, {"chat": ("transformers", encode(want))}, {0}, decode, encode, min_tokens)
+    return problems, {c.case: (c.verdict, c.asked, c.agreed, c.why) for c in done}
+
+
+def test_answers_agree_token_by_token_up_to_the_tokens_asked():
+    problems, got = _verdicts(_runs("hello world"), "hello there", min_tokens=6)
+    assert problems == [] and got["chat"] == (PASSED, 6, 6, "")
+    assert got["token limit"] == (PASSED, 3, 2, "2 tokens")
+    # The reference shorter than the tokens asked: all of it.
+    problems, got = _verdicts(_runs("hello world"), "hell")
+    assert problems == [] and got["chat"][:3] == (PASSED, 4, 4)
+
+
+def test_a_different_token_fails_and_says_where():
+    problems, got = _verdicts(_runs("help me"), "hello there")
+    assert got["chat"][:3] == (FAILED, 8, 3) and "at token 3" in problems[0]
+    # Everything they share is counted, beyond the tokens asked too.
+    _, got = _verdicts(_runs("hello there"), "hello there", min_tokens=2)
+    assert got["chat"][:3] == (PASSED, 2, 11)
+
+
+def test_nothing_to_compare_is_not_checked_never_passed():
+    # VERIFY_MIN_PREFIX=0: no tokens asked.
+    problems, got = _verdicts(_runs("anything"), "hello", min_tokens=0)
+    assert problems == [] and got["chat"] == (NOT_CHECKED, 0, 0, "no tokens asked (VERIFY_MIN_PREFIX=0)")
+    # An empty reference (its answer was all special tokens) compares nothing either, whatever Genie said.
+    problems, got = _verdicts(_runs("anything"), "")
+    assert got["chat"] == (NOT_CHECKED, 0, 0, "the answer of transformers is empty")
+    # No tokens asked of Genie.
+    _, got = _verdicts(_runs("", new_tokens=0), "hello")
+    assert got["chat"][0] == NOT_CHECKED
+
+
+def test_an_answer_that_does_not_re_tokenize_exactly_is_not_checked():
+    # "X" is no token of VOCAB: the ids decode to something else than Genie's text.
+    problems, got = _verdicts(_runs("heXllo"), "hello")
+    assert problems == [] and got["chat"][0] == NOT_CHECKED and "re-tokenize" in got["chat"][3]
+
+
+def test_a_reply_past_its_token_limit_fails():
+    problems, got = _verdicts(_runs("hello", limit="abcd"), "hello")
+    assert got["token limit"][0] == FAILED and "past its token limit of 3" in problems[0]
