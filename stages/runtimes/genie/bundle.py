@@ -52,6 +52,7 @@ from stages.runtimes.genie.rules import (
     dialog_context_size,
     lut_problems,
     sampler_problems,
+    sliding_mask_problems,
 )
 
 TEMPLATES = Path(__file__).resolve().parents[3] / "templates"
@@ -551,6 +552,7 @@ def _check_configs(
         f"htp_backend_ext_config.json{e}" for e in schema_errors(htp_ext, _schema("htp_backend_ext_config"))
     ]
     problems += consistency_errors(genie, files, io, Checkpoint(checkpoint_dir).geometry)
+    problems += sliding_mask_problems(genie["dialog"])
     if not problems:
         problems += genie_validator_errors(genie)
     if problems:

@@ -131,15 +131,44 @@ def lut_problems(lut_bytes: dict[str, int]) -> list[str]:
     ]
 
 
+def swamask_path(dialog: dict) -> bool:
+    """Whether QAIRT 2.51's libGenie.so runs this dialog's caches on its `SWAMASK` path (its log prints
+    `SWAMASK` lines): measured, it does so exactly when the dialog has no perlayer-embedding LUT (a
+    Gemma 3, or a Gemma 4 built without per-layer embeddings), and two things break there
+    (docs/facts.md §3 (l)): `sliding_mask_problems` and `reset_after_wrap_works`."""
+    return LUT_SECTION["per_layer_embedding"] not in dialog
+
+
 def reset_after_wrap_works(dialog: dict) -> bool:
     """Whether GenieDialog_reset leaves the dialog usable once a query has wrapped the sliding window.
 
-    Measured with QAIRT 2.51's x86 libGenie.so: a dialog without a per-layer-embedding LUT (Gemma 3, or
-    a Gemma 4 without PLE) runs its caches another way (its log prints `SWAMASK` lines), and there a
-    query after a reset that follows a wrapped window fails (`runInference(req): setupInput failed`
-    with two parts, `graph-exec failed` with one; status -1, or the process dies on a null buffer,
-    exit -11). Without the reset the next query runs,
-    and with the LUT the same reset works. The smallest reproduction, held by
-    tests/integration/test_gemma3.py: a 36-token prompt past an 8-token window, 8 tokens, reset, any
-    query."""
-    return LUT_SECTION["per_layer_embedding"] in dialog
+    On the SWAMASK path (`swamask_path`) a query after a reset that follows a wrapped window fails
+    (`runInference(req): setupInput failed` with two parts, `graph-exec failed` with one; status -1,
+    or the process dies on a null buffer, exit -11). Without the reset the next query runs, and with
+    the LUT the same reset works. The smallest reproduction, held by tests/integration/test_gemma3.py:
+    a 36-token prompt past an 8-token window, 8 tokens, reset, any query."""
+    return not swamask_path(dialog)
+
+
+def sliding_mask_problems(dialog: dict) -> list[str]:
+    """Why Genie would run a sliding-window cache group of this dialog wrongly (empty: it would not).
+
+    On the SWAMASK path Genie fills a sliding-window group's attention mask by token index: a query's
+    own tokens are marked visible at cache columns n_past, n_past + 1, ... instead of at the graph's
+    new-token columns (window, window + 1, ...), so every sliding-window layer attends to empty cache
+    slots and never to the tokens it is given. Measured on Gemma 3 270M's bundle (a prompt of 8
+    tokens: row r visible at columns 0..r, where the graph's own rows sit at 512..512 + r; with
+    Genie's dumped feeds the host runner answers Genie's garbage, with that one mask replaced it
+    answers as transformers does), held by tests/integration/test_gemma3.py on a toy."""
+    if not swamask_path(dialog):
+        return []
+    groups = dialog.get("engine", {}).get("cache-groups", [])
+    sliding = [g["prefix"] for g in groups if g.get("longcontext", {}).get("type") == "sliding-window"]
+    return [
+        f"Genie 2.51 masks the sliding-window cache group {prefix!r} of a dialog without a "
+        "perlayer-embedding LUT by token index (a query's own tokens at cache columns, not at the graph's "
+        "new-token columns): every sliding-window layer would attend to empty slots and the bundle would "
+        "answer garbage on the phone (docs/facts.md §3 (l)). A model without per-layer embeddings (Gemma 3) "
+        "cannot be bundled for Genie 2.51 with a sliding-window cache; its other stages run"
+        for prefix in sliding
+    ]
