@@ -212,8 +212,8 @@ push: $(call stage_report,bundle) | $(call RUNNER_DEP,tools) ## adb-push the bun
 	$(call g4v69,tools,$(DEVICE_RUN_ARGS)) push
 run: | $(call RUNNER_DEP,tools) ## run PROMPT on the phone with genie-t2t-run (after make push)
 	$(call g4v69,tools,$(DEVICE_RUN_ARGS)) run
-generate: $(call stage_report,export) | $(call RUNNER_DEP,export) ## run PROMPT through the exported graphs on the host
-	@$(call g4v69,export) generate
+generate: $(call stage_report,export) | $(call RUNNER_DEP,export) ## run PROMPT through the exported graphs on the host (GRAPHS=quantized: the bundle's quantized graphs, greedy)
+	@$(call g4v69,export) generate $(call opt,graphs,$(GRAPHS))
 # The tiny model knows Python docstrings only; a prompt from its domain (out of it, its first tokens are
 # near-ties that any 8-bit model may flip: see docs/verification.md).
 DEMO_PROMPT ?= Return the first element of a list.

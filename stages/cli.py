@@ -141,7 +141,15 @@ def main(ctx: click.Context, preset: str, workdir: Path, **overrides: str | None
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--luts", is_flag=True, help="embed with the quantized Genie LUTs instead of the float tables")
-@click.option("--json", "as_json", is_flag=True, help="print tokens and figures as JSON")
+@click.option(
+    "--graphs",
+    type=click.Choice(["exported", "quantized"]),
+    default="exported",
+    show_default=True,
+    help="exported: the float graphs; quantized: the bundle's quantized graphs (its ctx-bins' compiler "
+    "inputs) fed as Genie feeds them, LUTs, masks and RoPE from genie_config.json (greedy only)",
+)
+@click.option("--json", "as_json", is_flag=True, help="print tokens, figures and each step's top-2 margin")
 @click.pass_obj
 def generate(
     obj: Context,
@@ -154,32 +162,43 @@ def generate(
     top_p: float,
     seed: int,
     luts: bool,
+    graphs: str,
     as_json: bool,
 ) -> None:
-    """Run a prompt through the exported graphs on the host (onnxruntime), as the phone would."""
+    """Run a prompt through the exported (or the bundle's quantized) graphs on the host (onnxruntime),
+    as the phone would."""
     from stages.model.chat import ChatTokenizer
     from stages.model.checkpoint import stop_token_ids
     from stages.planning.results import ExportResult, require_result
     from stages.quant.runner import HostRunner, Sampling
 
-    export_dir = require_result(obj.workdir, "export", ExportResult, UserError).folder
-    runner = HostRunner.from_export(export_dir, luts=luts)
     tok = ChatTokenizer(obj.checkpoint_dir())
     ids = tok.encode(prompt) if raw else tok.chat_ids(prompt, system)
-    gen = runner.generate(
-        ids,
-        max_new_tokens,
-        set(stop_token_ids(obj.checkpoint_dir())),
-        Sampling(temperature, top_k, top_p, seed),
-    )
+    if graphs == "quantized":
+        gen, margins = _generate_quantized(obj, ids, max_new_tokens, (temperature, top_k, top_p, luts))
+    else:
+        export_dir = require_result(obj.workdir, "export", ExportResult, UserError).folder
+        runner = HostRunner.from_export(export_dir, luts=luts)
+        gen = runner.generate(
+            ids,
+            max_new_tokens,
+            set(stop_token_ids(obj.checkpoint_dir())),
+            Sampling(temperature, top_k, top_p, seed),
+        )
+        margins = None
     text = tok.decode(gen.tokens)
     figures = {
+        "graphs": graphs,
         "prompt_tokens": len(ids),
         "generated_tokens": len(gen.tokens),
         "stopped_by": gen.stopped_by,
         "prefill_tokens_per_s": round(gen.prefill_tokens_per_s, 2),
         "decode_tokens_per_s": round(gen.decode_tokens_per_s, 2),
     }
+    if margins is not None:
+        # Each step's top-1 minus top-2 logit: where it is small, another arithmetic (the phone's HTP,
+        # transformers' float model) may pick the other token without anything being wrong.
+        figures["top2_margins"] = margins
     if as_json:
         click.echo(json.dumps({"text": text, "tokens": gen.tokens, **figures}, indent=2))
         return
@@ -190,6 +209,37 @@ def generate(
         f"stopped by {gen.stopped_by}]",
         err=True,
     )
+
+
+def _generate_quantized(
+    obj: Context, ids: list[int], max_new_tokens: int, asked: tuple
+) -> tuple[object, list[float]]:
+    """Greedy tokens of the bundle's quantized graphs under verify's Genie emulator (CPU engine), and
+    each step's top-2 logit margin."""
+    import numpy as np
+
+    from stages.planning.results import CompileResult, read_result
+    from stages.quant.runner import Generation
+    from stages.runtimes.genie.emulator import EmulatorError, GenieEmulator
+
+    temperature, top_k, top_p, luts = asked
+    if temperature or top_k or top_p != 1.0 or luts:
+        raise UserError(
+            "--graphs quantized answers greedily with the bundle's own LUTs: leave out --temperature, "
+            "--top-k, --top-p and --luts"
+        )
+    bundle_dir, quantized_dir = output_dir(obj.workdir, "bundle"), output_dir(obj.workdir, "quantize")
+    compiled = read_result(obj.workdir, "compile", CompileResult)
+    if compiled is None or not (bundle_dir / "genie_config.json").is_file():
+        raise UserError(f"{bundle_dir} holds no bundle; run `make bundle` first")
+    try:
+        emulator = GenieEmulator(bundle_dir, compiled, "cpu", quantized_dir)
+    except EmulatorError as e:
+        raise UserError(f"{bundle_dir}: {e}") from None
+    run = emulator.generate(ids, max_new_tokens, greedy=True)
+    gen = Generation(list(ids), list(run.tokens), run.prefill_s, run.decode_s, run.stopped_by)
+    margins = [round(float(np.diff(np.sort(row)[-2:])[0]), 4) for row in run.logits]
+    return gen, margins
 
 
 @click.command()
@@ -300,6 +350,8 @@ def verify(
         for c in fig["real_genie"].get("comparisons", []):
             what = c["why"] or f"{c['agreed']} leading ids equal, {c['asked']} required"
             click.echo(f"  real Genie, {c['case']} vs {c['against']}: {c['verdict']} ({what})")
+        for case, why in fig["real_genie"].get("not_run", {}).items():
+            click.echo(f"  real Genie, {case}: not run ({why})")
     click.echo(f"bundle (Genie emulator, {fig['engine']['name']}): {fig['bundle_text']!r}")
     click.echo(f"transformers (float):          {fig['transformers_text']!r}")
     click.echo(
@@ -314,6 +366,8 @@ def verify(
         + f" (floor {fig['thresholds']['min_top1_agreement_with_transformers']}); with its own quantized "
         f"graphs on the host {fig['bundle_vs_host_runner_logits']['top1_agreement']:.3f}"
     )
+    if "seconds" in fig:
+        click.echo("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in fig["seconds"].items()))
 
 
 @main.command(name="bench-report")

@@ -58,7 +58,6 @@ from stages.model.encoding import IoTensor, QdqGraph, prepare_io, shared_tensor_
 from stages.model.graphs import Binary, qdq_file_name
 from stages.planning.results import CompileResult, QuantizeResult, StageReport, require_result
 
-QUANTIZED_TYPES = {"uint8", "int8", "uint16", "int16"}
 # Above this an ONNX file must keep its weights as external data (protobuf's 2 GB limit). Graphs below
 # it are handed to onnxruntime as bytes: onnxruntime names the QNN graph after a hash of the model's
 # path when it has one, which would make binaries differ between work folders.

@@ -348,10 +348,6 @@ class StageRun:
     figures: dict[str, Any] = field(default_factory=dict)
 
 
-class StageOutputError(RuntimeError):
-    pass
-
-
 def write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

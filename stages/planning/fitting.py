@@ -330,16 +330,24 @@ def ttft_prompts(cfg: PipelineConfig) -> list[int]:
 FULL_HESSIAN_MAX_WIDTH = 8192
 
 
+def hessian_shape(width: int) -> tuple[int, ...]:
+    """The shape of the Hessian GPTQ keeps for a MatMul input `width` wide: the full matrix, or its
+    diagonal alone above FULL_HESSIAN_MAX_WIDTH."""
+    return (width,) if width > FULL_HESSIAN_MAX_WIDTH else (width, width)
+
+
 def hessian_bytes(geo: Geometry, cfg: PipelineConfig) -> int:
-    """What quantize keeps of the calibration Hessians (memory-mapped files in its output folder while
-    it runs): one per distinct MatMul input of each decoder layer (q/k/v share one, gate/up another),
-    where 4-bit weights are rounded by GPTQ; nothing for 8-bit or round-to-nearest."""
-    if cfg.decoder_scheme.bits != 4 or cfg.weight_rounding == "nearest":
+    """What quantize keeps of the calibration Hessians on disk (memory-mapped files in its output
+    folder while it runs, between the rounding and the scale search): one float32 Hessian per distinct
+    MatMul input of each decoder layer (q/k/v share one, gate/up another). Only `gptq-search` keeps
+    them (`WeightRounder.round_all`); plain GPTQ drops them after rounding, and 8-bit weights or
+    round-to-nearest never collect any."""
+    if cfg.decoder_scheme.bits != 4 or cfg.weight_rounding != "gptq-search":
         return 0
     total = 0
     for layer in geo.layers:
         inputs = {(t.shape[1], t.name.rsplit(".", 2)[0]) for t in layer.tensors if t.kind == LINEAR}
-        total += sum(w * 4 if w > FULL_HESSIAN_MAX_WIDTH else w * w * 4 for w, _ in inputs)
+        total += sum(4 * math.prod(hessian_shape(w)) for w, _ in inputs)
     return total
 
 

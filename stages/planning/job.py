@@ -39,11 +39,6 @@ def weight_scheme(t: Tensor, cfg: PipelineConfig) -> WeightScheme:
     return cfg.weight_scheme(KIND_ROLES[t.kind])
 
 
-def tensor_bits(t: Tensor, cfg: PipelineConfig) -> int:
-    """Bits per element of a weight as it will sit in a context binary."""
-    return weight_scheme(t, cfg).bits
-
-
 def tensor_bytes(tensors: list[Tensor], cfg: PipelineConfig) -> int:
     return sum(weight_scheme(t, cfg).stored_bytes(t.numel) for t in tensors)
 

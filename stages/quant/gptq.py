@@ -15,8 +15,9 @@ block scales); GPTQ only chooses the integers under them.
 
 Hessians come from one pass of the float chain over the calibration samples (`HessianCollector`), keyed
 by weight name (the same in a graph and its calibration twin). An input wider than
-`FULL_HESSIAN_MAX_WIDTH` keeps only its diagonal (E2B's 12,288-wide MLP down projections would take
-604 MB each in float32): GPTQ then rounds to nearest under output-weighted scales.
+`FULL_HESSIAN_MAX_WIDTH` keeps only its diagonal (`stages.planning.fitting.hessian_shape`; E2B's
+12,288-wide MLP down projections would take 604 MB each in float32): GPTQ then rounds to nearest
+under output-weighted scales.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from stages.planning.fitting import FULL_HESSIAN_MAX_WIDTH
+from stages.planning.fitting import hessian_shape
 
 DAMPENING = 0.01
 BLOCK_ROWS = 128
@@ -288,7 +289,7 @@ class HessianCollector:
             first = weights[0]
             if first not in self.hessians:
                 width = rows.shape[1]
-                shape = (width,) if width > FULL_HESSIAN_MAX_WIDTH else (width, width)
+                shape = hessian_shape(width)
                 hess = Hessian(np.zeros(shape, np.float32))
                 for w in weights:  # the MatMuls reading one tensor share one Hessian
                     self.hessians[w] = hess

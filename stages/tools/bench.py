@@ -712,7 +712,7 @@ def e2b_rounding_costs(
 
     from stages.core.config import load_config
     from stages.model.geometry import LINEAR, e2b_geometry
-    from stages.planning.fitting import FULL_HESSIAN_MAX_WIDTH, hessian_bytes
+    from stages.planning.fitting import hessian_bytes, hessian_shape
     from stages.quant.gptq import Hessian
     from stages.quantize.weights import WeightRounder
 
@@ -742,7 +742,7 @@ def e2b_rounding_costs(
                 width = t.shape[1]
                 if gptq and width not in hessians:
                     x = rng.normal(size=(calibration_rows, width)).astype(np.float32)
-                    shape = (width,) if width > FULL_HESSIAN_MAX_WIDTH else (width, width)
+                    shape = hessian_shape(width)
                     hessians[width] = Hessian(np.zeros(shape, np.float32))
                     hessians[width].add(x)
             tracemalloc.start()

@@ -39,8 +39,9 @@ import numpy as np
 
 from stages.core.config import PipelineConfig, load_config
 from stages.model.gguf import PACKAGED_GGUFS
+from stages.planning.fitting import hessian_shape
 from stages.quant.calibration import token_samples
-from stages.quant.gptq import FULL_HESSIAN_MAX_WIDTH, Hessian
+from stages.quant.gptq import Hessian
 from stages.quant.sensitivity import sensitivity_samples
 from stages.quantize.weights import (
     LM_HEAD_WEIGHT,
@@ -138,7 +139,7 @@ def int8_weight(w: np.ndarray) -> np.ndarray:
 # ---- Hessians from torch hooks ----
 class TorchHessians:
     """Each watched Linear's input rows summed into a `Hessian` (X^T X; its diagonal alone above
-    FULL_HESSIAN_MAX_WIDTH), as `HessianCollector` does on the ONNX chain: Linears reading one tensor
+    `hessian_shape`), as `HessianCollector` does on the ONNX chain: Linears reading one tensor
     (q/k/v, gate/up) share one Hessian object, found by tensor identity within their parent module."""
 
     def __init__(self, linears: dict[str, Any]):
@@ -165,7 +166,7 @@ class TorchHessians:
     def add(self, name: str, rows: np.ndarray) -> None:
         if name not in self.hessians:
             width = rows.shape[1]
-            shape = (width,) if width > FULL_HESSIAN_MAX_WIDTH else (width, width)
+            shape = hessian_shape(width)
             self.hessians[name] = Hessian(np.zeros(shape, np.float32))
         self.hessians[name].add(rows)
 

@@ -490,3 +490,22 @@ def test_replay_catches_binaries_that_differ_from_their_compiler_inputs(bundled,
     assert result.problems
     assert any("part1_of_2.bin output" in p and "dB from its compiler input's" in p for p in result.problems)
     assert not any("part2_of_2" in p for p in result.problems)  # each part is fed the CPU engine's inputs
+
+
+def test_generate_on_the_quantized_graphs_answers_as_the_bundle_does(bundled, verified):
+    """`g4v69 generate --graphs quantized`: the bundle's quantized graphs fed as Genie feeds them, the
+    same greedy tokens as verify's emulator on the binaries, with each step's top-2 margin; sampling
+    options it cannot honour are refused."""
+    from click.testing import CliRunner
+
+    from stages.cli import main
+
+    args = ["--preset", "tiny", "--workdir", str(bundled), "generate", "--prompt", PROMPT]
+    args += ["--graphs", "quantized"]
+    result = CliRunner().invoke(main, [*args, "--max-new-tokens", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["graphs"] == "quantized" and out["tokens"] == verified["bundle_tokens"][:8]
+    assert len(out["top2_margins"]) == 8 and min(out["top2_margins"]) >= 0
+    refused = CliRunner().invoke(main, [*args, "--temperature", "0.7"])
+    assert refused.exit_code != 0 and "answers greedily" in refused.output

@@ -27,7 +27,10 @@ def bundle(bundled) -> Path:
     return bundled / "genie_bundle"
 
 
-def test_verify_runs_the_real_genie_first_and_it_answers_as_transformers(bundle):
+def test_verify_runs_the_real_genie_first_and_it_answers_as_transformers(bundle, monkeypatch):
+    from stages.runtimes import get_runtime
+    from stages.runtimes.genie import device
+
     work = bundle.parent
     fig = run_verify(load_config("tiny"), work, work / "checkpoints" / "tiny", PROMPT)["figures"]
     real = fig["real_genie"]
@@ -40,8 +43,12 @@ def test_verify_runs_the_real_genie_first_and_it_answers_as_transformers(bundle)
     verdicts = {c["case"]: (c["verdict"], c["asked"]) for c in real["comparisons"]}
     assert verdicts == {"chat": ("passed", 8), "long": ("passed", 8), "token limit": ("passed", 3)}
     assert (work / ".g4v69" / "genie-logs" / "genie-greedy.log").stat().st_size > 0
-    # `make run` sends the phone's genie-t2t-run exactly the text the real Genie got here.
-    assert real["chat_query"] == query_text(bundle, PROMPT)
+    # `make run` sends the phone's genie-t2t-run exactly the text the real Genie got here: the text the
+    # runtime hands its device runner (adb stopped short), not verify's own helper again.
+    sent = {}
+    monkeypatch.setattr(device, "run_on_device", lambda _bundle, text, *_a, **_k: sent.setdefault("t", text))
+    get_runtime("genie").run(bundle, PROMPT, None, "adb")
+    assert real["chat_query"] == sent["t"]
 
 
 def test_every_part_is_typed_with_its_kv_and_its_cache_groups_sized(bundle, tmp_path):

@@ -79,7 +79,11 @@ def test_host_setup_installs_exactly_what_is_missing(tmp_path):
 def test_host_setup_names_the_one_install_command_without_root(tmp_path):
     if os.getuid() == 0:
         pytest.skip("as root the script installs instead of printing the command")
-    r = run("host-setup.sh", tmp_path, fake_docker(tmp_path, [], pull_ok=False), "tools")
+    bin_dir = fake_docker(tmp_path, [], pull_ok=False)
+    # A host with password-less sudo would install for real: this sudo asks for a password.
+    (bin_dir / "sudo").write_text("#!/bin/sh\necho 'sudo: a password is required' >&2\nexit 1\n")
+    (bin_dir / "sudo").chmod(0o755)
+    r = run("host-setup.sh", tmp_path, bin_dir, "tools")
     assert r.returncode == 1 and "  sudo apt-get install -y debootstrap docker.io" in r.stderr
 
 

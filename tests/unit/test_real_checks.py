@@ -65,3 +65,17 @@ def test_an_answer_that_does_not_re_tokenize_exactly_is_not_checked():
 def test_a_reply_past_its_token_limit_fails():
     problems, got = _verdicts(_runs("hello", limit="abcd"), "hello")
     assert got["token limit"][0] == FAILED and "past its token limit of 3" in problems[0]
+
+
+def test_the_short_run_names_every_case_it_does_not_run(monkeypatch, tmp_path):
+    """At E2B size verify runs the chat prompt alone: the report lists the four other cases, each with
+    why, so no case disappears without a word."""
+    from stages.runtimes.genie import real_checks
+
+    ran = DialogRun(answers=["ab"], statuses=[0], query_s=[716.0], log=tmp_path / "genie.log")
+    monkeypatch.setattr(real_checks, "run_dialog", lambda *a, **k: ran)
+    runs = real_checks.run_short(tmp_path, "hi", [2, 3], 2, tmp_path)
+    fig = runs.figures()
+    assert set(fig["statuses"]) == {"chat"}
+    assert set(fig["not_run"]) == {"long", "token limit", "second query", "own sampler"}
+    assert all("716 s for 2 tokens" in why for why in fig["not_run"].values())

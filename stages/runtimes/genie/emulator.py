@@ -103,7 +103,6 @@ from stages.runtimes.genie.rules import (
 )
 
 ENGINES = ("htp", "cpu")
-GENIE_SOURCE = "Genie public source, qualla/"
 GENIE_BEHAVIOURS = [
     {
         "behaviour": "LUT rows into inputs_embeds/per_layer_inputs: copy, fixed->fixed requantization, "

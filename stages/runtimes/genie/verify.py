@@ -42,7 +42,7 @@ from stages.planning.results import CompileResult, read_result
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.bundle import check_manifest, config_vs_graphs
 from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST, TOKENIZER
-from stages.runtimes.genie.real_checks import RealGenieError, compare, run_cases, run_short
+from stages.runtimes.genie.real_checks import RealGenieError, compare, leading_agreement, run_cases, run_short
 from stages.runtimes.genie.replay import WRAP
 from stages.runtimes.genie.rules import LUT_SECTION
 
@@ -330,8 +330,7 @@ def _prompt_ids(emulator, bundle_dir: Path, checkpoint_dir: Path, prompt: str) -
     prompt_ids = emulator.query_ids(query_text(bundle_dir, prompt))
     want_ids = ChatTokenizer(checkpoint_dir).chat_ids(prompt)
     if prompt_ids != want_ids:
-        at = next((i for i, (a, b) in enumerate(zip(prompt_ids, want_ids, strict=False)) if a != b), None)
-        at = min(len(prompt_ids), len(want_ids)) if at is None else at
+        at = leading_agreement(prompt_ids, want_ids)
         if render_chat(bundle_dir, prompt) != render_chat(checkpoint_dir, prompt):
             cause = "its tokenizer_config.json chat_template renders the prompt unlike the checkpoint's"
         else:
@@ -499,8 +498,7 @@ def _compare(
     theirs, ref, want, head = _transformers_answers(
         checkpoint_dir, prompt_ids, sample, max_new_tokens, stop_ids, prefill_ar
     )
-    common = next((i for i, (a, b) in enumerate(zip(ours.tokens, theirs, strict=False)) if a != b), None)
-    common = min(len(ours.tokens), len(theirs)) if common is None else common
+    common = leading_agreement(ours.tokens, theirs)
     emulated = emulator.logits_along(prompt_ids, theirs[:-1])
     heldout: dict[str, Any] = {"ran": False, "switched_off_by": HELDOUT_OFF}
     if sample is not None:
@@ -522,12 +520,13 @@ def _compare(
     return _Comparison(theirs, ref, emulated, host, heldout, common)
 
 
-def _replay(bundle_dir: Path, emulator, started: float):
+def _replay(bundle_dir: Path, emulator, spent_s: float):
     """The recorded calls again on the ctx-bins under the HTP emulation, within what is left of the
-    stage's time budget; raises where they disagree with their compiler inputs."""
+    stage's time budget after `spent_s` (verify's own work, the real Genie's not counted); raises where
+    they disagree with their compiler inputs."""
     from stages.runtimes.genie.replay import replay, replay_budget_s
 
-    replayed = replay(bundle_dir, emulator, emulator.recorded, replay_budget_s(time.perf_counter() - started))
+    replayed = replay(bundle_dir, emulator, emulator.recorded, replay_budget_s(spent_s))
     if replayed.problems:
         raise VerifyError(
             f"{bundle_dir}: its ctx-bins on the HTP emulation disagree with their compiler inputs "
@@ -694,17 +693,24 @@ def run_verify(
     stop_ids = set(stop_token_ids(checkpoint_dir))
     room = genie["context"]["size"] - len(prompt_ids) - (-len(prompt_ids)) % cfg.prefill_ar
     max_new_tokens = max(1, min(max_new_tokens, room))
+    real_started = time.perf_counter()
     real = (
         _run_real_genie(cfg, geo, genie, bundle_dir, workdir, prompt, prompt_ids, tok, engine, max_new_tokens)
         if real_genie
         else None
     )
+    # The real Genie's minutes are its own: they never come out of the replay's budget (at E2B each
+    # of its calls takes minutes, and the replay's window-wrap call was once dropped for them).
+    real_s = time.perf_counter() - real_started
     ours, emulated_long = _emulate(emulator, engine, prompt_ids, real, max_new_tokens, bundle_dir)
     cmp = _compare(
         emulator, ours, workdir, checkpoint_dir, prompt_ids, sample, max_new_tokens, stop_ids, cfg.prefill_ar
     )
 
-    replayed = _replay(bundle_dir, emulator, started) if engine == "replay" else None
+    replay_started = time.perf_counter()
+    spent = replay_started - started - real_s
+    replayed = _replay(bundle_dir, emulator, spent) if engine == "replay" else None
+    replay_s = time.perf_counter() - replay_started
     _judge(cfg, thresholds, cmp, real, emulated_long, stop_ids, tok, bundle_dir, engine)
 
     figures = _figures(
@@ -722,6 +728,13 @@ def run_verify(
         real,
         bundle_dir,
     )
+    total = time.perf_counter() - started
+    figures["seconds"] = {
+        "real_genie": round(real_s, 1),
+        "replay": round(replay_s, 1),
+        "the rest (emulator, transformers, held-out)": round(total - real_s - replay_s, 1),
+        "total": round(total, 1),
+    }
     with job.output([bundle_dir / MANIFEST, bundle_dir / REPORT_NAME], since=since) as run:
         run.figures.update(figures)
     return read_report(job.out_dir)
