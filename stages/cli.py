@@ -211,16 +211,10 @@ def generate(
     )
 
 
-def _generate_quantized(
-    obj: Context, ids: list[int], max_new_tokens: int, asked: tuple
-) -> tuple[object, list[float]]:
-    """Greedy tokens of the bundle's quantized graphs under verify's Genie emulator (CPU engine), and
-    each step's top-2 logit margin."""
-    import numpy as np
-
-    from stages.planning.results import CompileResult, read_result
+def _generate_quantized(obj: Context, ids: list[int], max_new_tokens: int, asked: tuple) -> tuple:
+    """Greedy tokens of the bundle's quantized graphs as the runtime feeds them, and each step's top-2
+    logit margin."""
     from stages.quant.runner import Generation
-    from stages.runtimes.genie.emulator import EmulatorError, GenieEmulator
 
     temperature, top_k, top_p, luts = asked
     if temperature or top_k or top_p != 1.0 or luts:
@@ -228,18 +222,9 @@ def _generate_quantized(
             "--graphs quantized answers greedily with the bundle's own LUTs: leave out --temperature, "
             "--top-k, --top-p and --luts"
         )
-    bundle_dir, quantized_dir = output_dir(obj.workdir, "bundle"), output_dir(obj.workdir, "quantize")
-    compiled = read_result(obj.workdir, "compile", CompileResult)
-    if compiled is None or not (bundle_dir / "genie_config.json").is_file():
-        raise UserError(f"{bundle_dir} holds no bundle; run `make bundle` first")
-    try:
-        emulator = GenieEmulator(bundle_dir, compiled, "cpu", quantized_dir)
-    except EmulatorError as e:
-        raise UserError(f"{bundle_dir}: {e}") from None
-    run = emulator.generate(ids, max_new_tokens, greedy=True)
-    gen = Generation(list(ids), list(run.tokens), run.prefill_s, run.decode_s, run.stopped_by)
-    margins = [round(float(np.diff(np.sort(row)[-2:])[0]), 4) for row in run.logits]
-    return gen, margins
+    got = get_runtime(obj.config.runtime).answer_on_host(obj.workdir, ids, max_new_tokens)
+    gen = Generation(list(ids), got["tokens"], got["prefill_s"], got["decode_s"], got["stopped_by"])
+    return gen, got["top2_margins"]
 
 
 @click.command()

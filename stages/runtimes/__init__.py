@@ -61,6 +61,12 @@ class Runtime(Protocol):
         """The verify stage: the bundle driven on the host as the runtime drives it; its report."""
         ...
 
+    def answer_on_host(self, workdir: Path, prompt_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+        """The bundle's quantized graphs on the host, fed as this runtime feeds them (`g4v69 generate
+        --graphs quantized`): greedy `tokens`, `prefill_s`, `decode_s`, `stopped_by`, and each step's
+        top-1 minus top-2 logit (`top2_margins`)."""
+        ...
+
     def check_files(self, folder: Path, manifest: Path) -> list[str]:
         """A bundle folder against its manifest (`g4v69 bundle --check`): what differs, one line each."""
         ...

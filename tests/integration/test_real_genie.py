@@ -41,7 +41,13 @@ def test_verify_runs_the_real_genie_first_and_it_answers_as_transformers(bundle,
     assert real["answers"]["second query"] and real["answers"]["own sampler"]
     # Compared in token ids, each comparison named with its verdict.
     verdicts = {c["case"]: (c["verdict"], c["asked"]) for c in real["comparisons"]}
-    assert verdicts == {"chat": ("passed", 8), "long": ("passed", 8), "token limit": ("passed", 3)}
+    assert verdicts == {
+        "chat": ("passed", 8),
+        "long": ("passed", 8),
+        "token limit": ("passed", 3),
+        "own sampler": ("passed", 1),  # ended by itself: at EOS or a full context
+    }
+    assert real["not_run"] == {} and fig["thresholds"]["real_genie_ids_required"]["chat"] == 8
     assert (work / ".g4v69" / "genie-logs" / "genie-greedy.log").stat().st_size > 0
     # `make run` sends the phone's genie-t2t-run exactly the text the real Genie got here: the text the
     # runtime hands its device runner (adb stopped short), not verify's own helper again.

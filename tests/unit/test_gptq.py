@@ -10,7 +10,8 @@ import pytest
 
 from stages.core.config import ConfigError, load_config
 from stages.core.precision import INT8_CHANNEL
-from stages.quant.gptq import DAMPENING, FULL_HESSIAN_MAX_WIDTH, Hessian, gptq, output_error
+from stages.planning.fitting import FULL_HESSIAN_MAX_WIDTH, hessian_shape
+from stages.quant.gptq import DAMPENING, Hessian, gptq, output_error
 from stages.quantize.weights import RoundedWeight, WeightRounder, expected_scheme, int4_channel
 
 
@@ -66,6 +67,7 @@ def test_a_diagonal_hessian_rounds_to_nearest_and_dead_inputs_are_zero():
     dead.add(x)
     assert np.all(gptq(w, dead, scale)[5] == 0)
     assert FULL_HESSIAN_MAX_WIDTH >= 6144  # E2B's non-shared MLP width keeps its full Hessian
+    assert hessian_shape(6144) == (6144, 6144) and hessian_shape(12288) == (12288,)
 
 
 def _rounder(share_percent: str) -> WeightRounder:

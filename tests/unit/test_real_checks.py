@@ -79,3 +79,11 @@ def test_the_short_run_names_every_case_it_does_not_run(monkeypatch, tmp_path):
     assert set(fig["statuses"]) == {"chat"}
     assert set(fig["not_run"]) == {"long", "token limit", "second query", "own sampler"}
     assert all("716 s for 2 tokens" in why for why in fig["not_run"].values())
+
+
+def test_the_sampled_reply_is_held_to_ending_by_itself():
+    from stages.runtimes.genie.real_checks import _own_sampler_end
+
+    assert _own_sampler_end(0, "abc", encode).verdict == PASSED
+    assert "full context (status 4)" in _own_sampler_end(4, "abc", encode).why
+    assert _own_sampler_end(0, "", encode).verdict == FAILED

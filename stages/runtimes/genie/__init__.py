@@ -82,6 +82,33 @@ class GenieRuntime:
         except (ChatError, CheckpointError, RunnerError) as e:
             raise VerifyError(str(e)) from None
 
+    def answer_on_host(self, workdir: Path, prompt_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+        """verify's Genie emulator on the CPU engine: the ctx-bins' compiler inputs, fed the bundle's LUTs,
+        masks, RoPE tables and KV$ as Genie feeds them."""
+        import numpy as np
+
+        from stages.core.pipeline import output_dir
+        from stages.planning.results import CompileResult, read_result
+        from stages.runtimes.genie.emulator import EmulatorError, GenieEmulator
+        from stages.runtimes.genie.verify import VerifyError
+
+        bundle_dir = output_dir(workdir, "bundle")
+        compiled = read_result(workdir, "compile", CompileResult)
+        if compiled is None or not (bundle_dir / "genie_config.json").is_file():
+            raise VerifyError(f"{bundle_dir} holds no bundle; run `make bundle` first")
+        try:
+            emulator = GenieEmulator(bundle_dir, compiled, "cpu", output_dir(workdir, "quantize"))
+        except EmulatorError as e:
+            raise VerifyError(f"{bundle_dir}: {e}") from None
+        run = emulator.generate(prompt_ids, max_new_tokens, greedy=True)
+        return {
+            "tokens": list(run.tokens),
+            "prefill_s": run.prefill_s,
+            "decode_s": run.decode_s,
+            "stopped_by": run.stopped_by,
+            "top2_margins": [round(float(np.diff(np.sort(row)[-2:])[0]), 4) for row in run.logits],
+        }
+
     def check_files(self, folder: Path, manifest: Path) -> list[str]:
         from stages.runtimes.genie.bundle import check_manifest
 

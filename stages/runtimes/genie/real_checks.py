@@ -269,7 +269,21 @@ def compare(
     for case in ("second query", "own sampler"):
         if case in answers and not answers[case]:
             problems.append(f"the real Genie gave no answer to the {case!r} query")
+    if "own sampler" in answers:
+        status = runs.per_case("statuses")["own sampler"]
+        done.append(_own_sampler_end(status, answers["own sampler"], encode))
     return problems, done
+
+
+def _own_sampler_end(status: int, answer: str, encode) -> Comparison:
+    """The sampled reply, with no token limit, must end by itself: at an EOS token (status 0) or at a
+    full context (Genie's clean stop, a positive warning status). Its tokens are sampled, so nothing is
+    compared with a reference; how it ended is what is checked."""
+    n = len(encode(answer))
+    if not answer:
+        return Comparison("own sampler", "its own end", 1, 0, FAILED, "no answer")
+    how = "an EOS token (status 0)" if status == 0 else f"a full context (status {status})"
+    return Comparison("own sampler", "its own end", 1, 1, PASSED, f"{n} ids, ended by {how}")
 
 
 __all__ = ["Comparison", "RealGenieError", "RealRuns", "compare", "run_cases", "run_short"]

@@ -626,6 +626,9 @@ def _figures(
         else {"ran": False, "switched_off_by": "VERIFY_REAL_GENIE=off"},
         "thresholds": {
             "min_matching_prefix": min(thresholds.min_prefix, len(cmp.theirs)),
+            # What the real Genie was held to, case by case (leading ids that must be equal; for the
+            # token limit, the most ids the reply may hold): not the emulator's threshold above.
+            "real_genie_ids_required": {c.case: c.asked for c in (real.comparisons if real else [])},
             "min_top1_agreement_with_transformers": thresholds.top1_with_transformers(cfg),
             "with_transformers_from": thresholds.top1_source(cfg),
             "min_top1_agreement_with_own_graphs": OWN_GRAPHS_MIN_TOP1,
