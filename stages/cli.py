@@ -335,6 +335,10 @@ def verify(
         for c in fig["real_genie"].get("comparisons", []):
             what = c["why"] or f"{c['agreed']} leading ids equal, {c['asked']} required"
             click.echo(f"  real Genie, {c['case']} vs {c['against']}: {c['verdict']} ({what})")
+        compared = {c["case"] for c in fig["real_genie"].get("comparisons", [])}
+        for case, status in fig["real_genie"]["statuses"].items():
+            if case not in compared:
+                click.echo(f"  real Genie, {case}: ran, status {status}, an answer (no reference to compare)")
         for case, why in fig["real_genie"].get("not_run", {}).items():
             click.echo(f"  real Genie, {case}: not run ({why})")
     click.echo(f"bundle (Genie emulator, {fig['engine']['name']}): {fig['bundle_text']!r}")

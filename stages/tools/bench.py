@@ -94,11 +94,20 @@ def collect(cfg: PipelineConfig, workdir: Path, plan: dict[str, Any] | None = No
             "binaries_executed_on_htp": len(replayed.get("binaries_executed", [])),
             # Older reports (before verify ran the real Genie) have none.
             "real_genie": {
-                k: fig["real_genie"][k]
-                for k in ("create_s", "query_s", "statuses", "answers", "peak_rss_bytes")
+                k: fig["real_genie"].get(k)
+                for k in (
+                    "create_s",
+                    "query_s",
+                    "statuses",
+                    "answers",
+                    "peak_rss_bytes",
+                    "comparisons",
+                    "not_run",
+                )
             }
             if fig.get("real_genie", {}).get("ran")
             else None,
+            "seconds": fig.get("seconds"),
         }
     done = [s for s in ("export", "quantize", "compile") if stages.get(s)]
     return {
@@ -192,9 +201,15 @@ def _verify_markdown(verified: dict[str, Any] | None) -> list[str]:
         queries = ", ".join(
             f"{case} {t:.0f} s (status {real['statuses'][case]})" for case, t in real["query_s"].items()
         )
+        compared = "; ".join(
+            f"{c['case']} vs {c['against']}: {c['verdict']}"
+            + (f" ({c['why']})" if c.get("why") else f" ({c['agreed']} of {c['asked']} ids)")
+            for c in real.get("comparisons") or []
+        )
         lines += [
             f"The real Genie (libGenie.so, x86 HTP emulation): loaded in {real['create_s']:.1f} s; "
-            f"{queries}; peak RSS {real['peak_rss_bytes'] / GIB:.2f} GiB.",
+            f"{queries}; peak RSS {real['peak_rss_bytes'] / GIB:.2f} GiB. Compared: "
+            f"{compared or 'nothing (older report)'}.",
             "",
         ]
     return lines
