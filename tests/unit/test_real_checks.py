@@ -87,3 +87,27 @@ def test_the_sampled_reply_is_held_to_ending_by_itself():
     assert _own_sampler_end(0, "abc", encode).verdict == PASSED
     assert "full context (status 4)" in _own_sampler_end(4, "abc", encode).why
     assert _own_sampler_end(0, "", encode).verdict == FAILED
+
+
+def test_the_runtime_comparison_takes_the_whole_answer_and_allows_only_a_near_tie():
+    from stages.runtimes.genie.real_checks import compare_runtime
+
+    want, margins = encode("abcdef"), [1.0, 1.0, 1.0, 0.01, 1.0, 1.0]
+    assert compare_runtime("chat", encode("abcdef"), want, margins, 0.05).verdict == PASSED
+    tie = compare_runtime("chat", encode("abcxyz"), want, margins, 0.05)
+    assert (tie.verdict, tie.agreed, tie.asked) == (PASSED, 3, 6) and "near-tie" in tie.why
+    wrong = compare_runtime("chat", encode("abxxxx"), want, margins, 0.05)
+    assert wrong.verdict == FAILED and "parted at token 2" in wrong.why
+    assert compare_runtime("chat", [], [], [], 0.05).verdict == NOT_CHECKED
+
+
+def test_a_reference_whose_ids_do_not_survive_decoding_is_not_checked_when_the_texts_agree():
+    """At E2B with random weights the reference's two tokens decode to nothing and Genie answers "":
+    nothing can be said of the ids; with other text, they differ."""
+    runs = RealRuns([(("chat",), DialogRun(answers=[""], statuses=[0]))], [("chat", [])], "", 2)
+    runtime = {"chat": ([0, 0], [1.0, 1.0])}
+    _, done = compare(runs, {}, set(), decode, encode, 8, runtime, 0.0)
+    assert [c.verdict for c in done] == [NOT_CHECKED]
+    runs = RealRuns([(("chat",), DialogRun(answers=["x"], statuses=[0]))], [("chat", [])], "", 2)
+    problems, done = compare(runs, {}, set(), decode, encode, 8, runtime, 0.0)
+    assert [c.verdict for c in done] == [FAILED] and problems

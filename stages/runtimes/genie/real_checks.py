@@ -206,6 +206,50 @@ def compare_ids(
     return Comparison(case, against, asked, agreed, PASSED if agreed >= asked else FAILED)
 
 
+RUNTIME_REFERENCE = "the emulator on the same graphs"
+
+
+def top2_margins(rows) -> list[float]:
+    """Each logits row's top-1 minus top-2: how far the pick was from a tie."""
+    import numpy as np
+
+    return [float(np.diff(np.sort(np.asarray(row, dtype=np.float64))[-2:])[0]) for row in rows]
+
+
+def compare_runtime(
+    case: str, got: list[int], want: list[int], margins: list[float], near_tie: float
+) -> Comparison:
+    """Genie's greedy ids against the emulator's on the same graphs (stop tokens left out of both), over
+    the whole answer: the runtime question, whatever quantization did to the answer. They may part only
+    at a near-tie: where the emulator's top-1 and top-2 logits were within `near_tie` (what the two
+    arithmetics move a logit, measured by the caller), and the comparison names where and by how much."""
+    if not want:
+        return Comparison(case, RUNTIME_REFERENCE, 0, 0, NOT_CHECKED, "the emulator's answer is empty")
+    agreed = leading_agreement(got, want)
+    if agreed == len(want) == len(got):
+        return Comparison(case, RUNTIME_REFERENCE, len(want), agreed, PASSED)
+    margin = margins[agreed] if agreed < len(margins) else float("inf")
+    where = f"parted at token {agreed}, where the emulator's top-2 margin is {margin:.4f}"
+    if margin <= near_tie:
+        return Comparison(
+            case, RUNTIME_REFERENCE, len(want), agreed, PASSED, f"{where} <= {near_tie:.4f}: a near-tie"
+        )
+    return Comparison(case, RUNTIME_REFERENCE, len(want), agreed, FAILED, f"{where} > {near_tie:.4f}")
+
+
+LOSSY = (
+    "the reference's ids do not survive decoding (special or empty tokens) and its text equals Genie's: "
+    "the ids cannot be told apart from text"
+)
+
+
+def _lossy(want: list[int], answer: str, encode, decode) -> bool:
+    """The reference's ids decode to exactly Genie's text but do not come back from it: Genie's text
+    answer cannot say whether its ids were the same (with different text, they were not)."""
+    text = decode(want)
+    return text == answer and encode(text) != want
+
+
 def exact_ids(text: str, encode, decode) -> list[int] | None:
     """`text` re-tokenized, where that is exact (decoding the ids gives the text back), else None."""
     ids = encode(text)
@@ -235,22 +279,29 @@ def compare(
     decode,
     encode,
     min_tokens: int,
+    runtime: dict[str, tuple[list[int], list[float]]] | None = None,
+    near_tie: float = 0.0,
 ) -> tuple[list[str], list[Comparison]]:
-    """Shortfalls of the real Genie's greedy answers against `wants`, and each comparison made: per
-    case, who answered and its greedy ids (stop tokens left out): transformers on the chat prompt (the
-    quality bar), the emulator on the same binaries for the long one (the runtime bar: past the window,
-    the two must agree whatever quantization did to the answer). Genie's ids are its answer
-    re-tokenized, only where that is exact (`exact_ids`); the first min(min_tokens, the answers' limit,
-    the reference's length) must be equal. The token-limit reply must be no more than LIMIT_TOKENS ids;
-    every other reply must be text."""
+    """Shortfalls of the real Genie's greedy answers, and each comparison made, on two questions:
+    quality, against `wants` (case -> who answered and its greedy ids: transformers on the chat prompt;
+    the first min(min_tokens, the answers' limit, the reference's length) must be equal), and runtime
+    fidelity, against `runtime` (case -> the emulator's greedy ids and top-2 margins on the same graphs;
+    the whole answer, parting only at a near-tie: `compare_runtime`). Stop tokens are left out; Genie's
+    ids are its answer re-tokenized, only where that is exact (`exact_ids`). The token-limit reply must
+    be no more than LIMIT_TOKENS ids; every other reply must be text."""
     problems: list[str] = []
     done: list[Comparison] = []
     answers = runs.per_case("answers")
-    got_ids = {case: exact_ids(answers[case], encode, decode) for case in wants}
+    runtime = runtime or {}
+    got_ids = {
+        case: exact_ids(answers[case], encode, decode) for case in {*wants, *runtime} if case in answers
+    }
     for case, (who, want) in wants.items():
         got = got_ids[case]
         if got is None:
             c = Comparison(case, who, 0, 0, NOT_CHECKED, "Genie's answer does not re-tokenize exactly")
+        elif _lossy(want, answers[case], encode, decode):
+            c = Comparison(case, who, 0, 0, NOT_CHECKED, LOSSY)
         else:
             c = compare_ids(
                 case, who, [t for t in got if t not in stop_ids], want, min_tokens, runs.new_tokens
@@ -261,6 +312,22 @@ def compare(
                 f"the real Genie's greedy ids for the {case!r} prompt differ from those of {who} at token "
                 f"{c.agreed} (the first {c.asked} must agree): Genie {answers[case][:60]!r}, {who} "
                 f"{decode(want)[:60]!r}"
+            )
+    for case, (want, margins) in runtime.items():
+        got = got_ids.get(case)
+        if got is None:
+            c = Comparison(
+                case, RUNTIME_REFERENCE, 0, 0, NOT_CHECKED, "Genie's answer does not re-tokenize exactly"
+            )
+        elif _lossy(want, answers[case], encode, decode):
+            c = Comparison(case, RUNTIME_REFERENCE, 0, 0, NOT_CHECKED, LOSSY)
+        else:
+            c = compare_runtime(case, [t for t in got if t not in stop_ids], want, margins, near_tie)
+        done.append(c)
+        if c.verdict == FAILED:
+            problems.append(
+                f"the real Genie's greedy ids for the {case!r} prompt part from the emulator's on the same "
+                f"graphs ({c.why}): Genie {answers[case][:60]!r}, the emulator {decode(want)[:60]!r}"
             )
     if "token limit" in answers:
         c, problem = _token_limit(answers["token limit"], encode, decode)

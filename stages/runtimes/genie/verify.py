@@ -42,7 +42,14 @@ from stages.planning.results import CompileResult, read_result
 from stages.runtimes import RuntimeFailure
 from stages.runtimes.genie.bundle import check_manifest, config_vs_graphs
 from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST, TOKENIZER
-from stages.runtimes.genie.real_checks import RealGenieError, compare, leading_agreement, run_cases, run_short
+from stages.runtimes.genie.real_checks import (
+    RealGenieError,
+    compare,
+    leading_agreement,
+    run_cases,
+    run_short,
+    top2_margins,
+)
 from stages.runtimes.genie.replay import WRAP
 from stages.runtimes.genie.rules import LUT_SECTION
 
@@ -440,14 +447,14 @@ def _emulate(emulator, engine: str, prompt_ids: list[int], real, max_new_tokens:
     that can be compared token by token): to the prompt, and to the real Genie's long prompts on the
     same binaries (past the window, whatever the quantization does to the answer, the two runtimes
     must agree). With the replay engine, every call is recorded for the HTP replay.
-    (the answer to the prompt, {case: tokens} of the long prompts)."""
+    (the answer to the prompt, {case: its Emulation} of the long prompts)."""
     from stages.runtimes.genie.emulator import EmulatorError
     from stages.runtimes.genie.replay import ReplayPlan
 
     try:
         emulator.record = ReplayPlan() if engine == "replay" else None
         emulated_long = {
-            case: emulator.generate(ids, max_new_tokens, greedy=True).tokens
+            case: emulator.generate(ids, max_new_tokens, greedy=True)
             for case, ids in (real.greedy_cases if real is not None else [])
             if case != "chat"
         }
@@ -535,27 +542,48 @@ def _replay(bundle_dir: Path, emulator, spent_s: float):
     return replayed
 
 
+def near_tie_bound(cmp: _Comparison) -> float:
+    """How close two logits may be for two arithmetics of the same graphs to pick differently: twice
+    the largest logit gap measured in this verify between the emulator's engine and the host runner
+    on the quantized graphs, along transformers' answer (a swap needs the top two to move towards
+    each other)."""
+    return round(2 * float(np.abs(cmp.emulated - cmp.host).max()), 4) if len(cmp.host) else 0.0
+
+
 def _judge(
     cfg: PipelineConfig,
     thresholds: Thresholds,
     cmp: _Comparison,
     real,
-    emulated_long: dict[str, list[int]],
+    ours,
+    emulated_long: dict[str, Any],
     stop_ids: set[int],
     tok,
     bundle_dir: Path,
     engine: str,
 ) -> None:
-    """Raises VerifyError where the real Genie's answers differ (its chat answer from transformers',
-    its long prompts' from the emulator's) or the bundle falls short of a threshold."""
-    real_wants = {
-        case: ("transformers" if case == "chat" else "the emulator", [t for t in tokens if t not in stop_ids])
-        for case, tokens in {"chat": cmp.theirs, **emulated_long}.items()
+    """Raises VerifyError where the real Genie's answers differ (its chat answer from transformers' for
+    the quality floor; its chat and long answers from the emulator's on the same graphs, beyond a
+    near-tie) or the bundle falls short of a threshold."""
+
+    def kept(tokens: list[int]) -> list[int]:
+        return [t for t in tokens if t not in stop_ids]
+
+    runtime = {
+        case: (kept(run.tokens), top2_margins(run.logits))
+        for case, run in {"chat": ours, **emulated_long}.items()
     }
     problems: list[str] = []
     if real is not None:
         problems, real.comparisons = compare(
-            real, real_wants, stop_ids, tok.decode, tok.encode, thresholds.min_prefix
+            real,
+            {"chat": ("transformers", kept(cmp.theirs))},
+            stop_ids,
+            tok.decode,
+            tok.encode,
+            thresholds.min_prefix,
+            runtime,
+            near_tie_bound(cmp),
         )
     if problems:
         raise VerifyError(f"{bundle_dir}: " + "; ".join(problems) + f" (logs: {real.log_dir})")
@@ -628,7 +656,10 @@ def _figures(
             "min_matching_prefix": min(thresholds.min_prefix, len(cmp.theirs)),
             # What the real Genie was held to, case by case (leading ids that must be equal; for the
             # token limit, the most ids the reply may hold): not the emulator's threshold above.
-            "real_genie_ids_required": {c.case: c.asked for c in (real.comparisons if real else [])},
+            "real_genie_ids_required": {
+                f"{c.case} vs {c.against}": c.asked for c in (real.comparisons if real else [])
+            },
+            "near_tie_logits": near_tie_bound(cmp),
             "min_top1_agreement_with_transformers": thresholds.top1_with_transformers(cfg),
             "with_transformers_from": thresholds.top1_source(cfg),
             "min_top1_agreement_with_own_graphs": OWN_GRAPHS_MIN_TOP1,
@@ -714,7 +745,7 @@ def run_verify(
     spent = replay_started - started - real_s
     replayed = _replay(bundle_dir, emulator, spent) if engine == "replay" else None
     replay_s = time.perf_counter() - replay_started
-    _judge(cfg, thresholds, cmp, real, emulated_long, stop_ids, tok, bundle_dir, engine)
+    _judge(cfg, thresholds, cmp, real, ours, emulated_long, stop_ids, tok, bundle_dir, engine)
 
     figures = _figures(
         engine,
