@@ -178,6 +178,7 @@ help: ## list the targets and variables
 	@echo "  NUM_SHARDS COMPILER=local|aihub (aihub: QAI_HUB_API_TOKEN) QAIRT_VERSION PROMPT FROM=DIR (import a snapshot) RUNNER=docker|local WORKDIR=$(WORKDIR)"
 	@echo "  QUANT_ARGS (e.g. --compare-ple-policies) QUANT_IMAGE=quant|quant-rocm DOCKER_ARGS"
 	@echo "  VERIFY_ENGINE=htp|replay|cpu VERIFY_MIN_PREFIX VERIFY_MIN_TOP1 (verify's pass thresholds against transformers) VERIFY_HELDOUT=on|off VERIFY_REAL_GENIE=on|off"
+	@echo "  GRAPHS=exported|quantized (make generate: the float graphs, or the bundle's quantized ones as Genie feeds them)"
 	@echo "  BASE_IMAGE=$(BASE_IMAGE) (auto, debootstrap or an image) WHEELHOUSE=$(WHEELHOUSE)"
 
 # ---- pipeline ----
