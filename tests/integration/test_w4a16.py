@@ -75,9 +75,12 @@ def test_the_precision_table_ranks_as_measured(w4a16):
     assert all(not q.get("audit_problems") for q in quality.values())
     kl = {name: q["kl_divergence"] for name, q in quality.items()}
     rank = {name: PRECISIONS[name].quality_rank for name in quality}
-    # A better rank is a lower KL; equal ranks are level (LPBQ with whole-column blocks on this model).
-    assert all(kl[a] < kl[b] for a in quality for b in quality if rank[a] < rank[b])
-    assert rank["w4a16-lpbq"] == rank["w4a16"] and abs(kl["w4a16-lpbq"] - kl["w4a16"]) < 0.25 * kl["w4a16"]
+    # A better rank is a lower KL here too, but for LPBQ against int4 per channel: the ranks follow
+    # Gemma 3 270M's real weights, where LPBQ halves int4 per channel's KL; on this 64-wide model a
+    # 64-row block is a whole column and the two stay level.
+    level = {"w4a16-lpbq", "w4a16"}
+    assert all(kl[a] < kl[b] for a in quality for b in quality if rank[a] < rank[b] and {a, b} != level)
+    assert rank["w4a16-lpbq"] < rank["w4a16"] and abs(kl["w4a16-lpbq"] - kl["w4a16"]) < 0.25 * kl["w4a16"]
     # 4 bits cost quality on this 64-wide model; the report says how much.
     assert quality["w8a16"]["top1_agreement"] > quality["w4a16"]["top1_agreement"] > 0.85
     assert quality["w8a16"]["top1_agreement"] > quality["w4a16-lpbq"]["top1_agreement"] > 0.75

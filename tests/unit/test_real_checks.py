@@ -111,3 +111,10 @@ def test_a_reference_whose_ids_do_not_survive_decoding_is_not_checked_when_the_t
     runs = RealRuns([(("chat",), DialogRun(answers=["x"], statuses=[0]))], [("chat", [])], "", 2)
     problems, done = compare(runs, {}, set(), decode, encode, 8, runtime, 0.0)
     assert [c.verdict for c in done] == [FAILED] and problems
+
+
+def test_the_runtime_comparison_stops_at_the_tokens_genie_was_asked_for():
+    """The E2B short query asks Genie for 2 tokens: the emulator's longer answer is compared on those."""
+    runs = RealRuns([(("chat",), DialogRun(answers=["ab"], statuses=[0]))], [("chat", [])], "", 2)
+    _, done = compare(runs, {}, set(), decode, encode, 8, {"chat": (encode("abcdef"), [1.0] * 6)}, 0.0)
+    assert [(c.verdict, c.asked, c.agreed) for c in done] == [(PASSED, 2, 2)]
