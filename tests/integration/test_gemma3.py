@@ -197,9 +197,10 @@ def test_genie_masks_the_sliding_window_cache_by_token_index_without_a_per_layer
 
 
 def test_genie_cannot_reset_a_dialog_without_a_per_layer_lut_after_the_window_wrapped(bundle, tmp_path):
-    """The smallest reproduction of rules.reset_after_wrap_works (QAIRT 2.51's libGenie.so): a prompt
-    past the 8-token window, a few tokens, a reset, then any query fails; without the reset, or
-    before the window wrapped, the same queries run. When a later Genie fixes it, this test says so."""
+    """The smallest reproduction of the reset failure on rules.swamask_path (QAIRT 2.51's
+    libGenie.so): a prompt past the 8-token window, a few tokens, a reset, then any query fails;
+    without the reset, or before the window wrapped, the same queries run. When a later Genie fixes
+    it, this test says so."""
     from stages.runtimes.genie.real import GREEDY, Query, RealGenieError, run_dialog
 
     prompt = "Return the first element of a list."  # 36 tokens with BOS

@@ -85,16 +85,16 @@ class GenieRuntime:
     def answer_on_host(self, workdir: Path, prompt_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
         """verify's Genie emulator on the CPU engine: the ctx-bins' compiler inputs, fed the bundle's LUTs,
         masks, RoPE tables and KV$ as Genie feeds them."""
-        import numpy as np
-
         from stages.core.pipeline import output_dir
         from stages.planning.results import CompileResult, read_result
         from stages.runtimes.genie.emulator import EmulatorError, GenieEmulator
+        from stages.runtimes.genie.files import GENIE_CONFIG
+        from stages.runtimes.genie.real_checks import top2_margins
         from stages.runtimes.genie.verify import VerifyError
 
         bundle_dir = output_dir(workdir, "bundle")
         compiled = read_result(workdir, "compile", CompileResult)
-        if compiled is None or not (bundle_dir / "genie_config.json").is_file():
+        if compiled is None or not (bundle_dir / GENIE_CONFIG).is_file():
             raise VerifyError(f"{bundle_dir} holds no bundle; run `make bundle` first")
         try:
             emulator = GenieEmulator(bundle_dir, compiled, "cpu", output_dir(workdir, "quantize"))
@@ -106,7 +106,7 @@ class GenieRuntime:
             "prefill_s": run.prefill_s,
             "decode_s": run.decode_s,
             "stopped_by": run.stopped_by,
-            "top2_margins": [round(float(np.diff(np.sort(row)[-2:])[0]), 4) for row in run.logits],
+            "top2_margins": [round(m, 4) for m in top2_margins(run.logits)],
         }
 
     def check_files(self, folder: Path, manifest: Path) -> list[str]:

@@ -20,14 +20,11 @@ re-tokenize exactly) is reported as not checked, never as passed."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.runtimes.genie.files import GENIE_CONFIG
 from stages.runtimes.genie.real import GREEDY, DialogRun, Query, RealGenieError, run_dialog
-from stages.runtimes.genie.rules import reset_after_wrap_works
 
 # Tokens of the short reply the token-limit case asks for.
 LIMIT_TOKENS = 3
@@ -57,7 +54,6 @@ class RealRuns:
     def figures(self) -> dict[str, Any]:
         return {
             "ran": True,
-            "dialogs": [list(names) for names, _ in self.runs],
             "library": "libGenie.so (onnxruntime-qnn, QAIRT 2.51) over the x86 HTP emulation",
             "chat_query": self.chat_query,
             "create_s": max(run.create_s for _, run in self.runs),
@@ -108,8 +104,7 @@ def run_cases(
     context_size: int,
     logs: Path,
 ) -> RealRuns:
-    """Every case, in two dialogs (greedy, then the bundle's own sampler); the greedy one split where
-    Genie cannot reset a dialog after a wrapped window (`_dialogs`)."""
+    """Every case, in two dialogs (greedy, then the bundle's own sampler)."""
     long_text, long_ids = long_prompt_ids(encode, bos, raw_prompt, past_window)
     # The second turn follows the token-limit reply in the same dialog, when both turns fit the context.
     second = len(chat_ids) + LIMIT_TOKENS + len(encode(follow_up)) + LIMIT_TOKENS < context_size
@@ -122,31 +117,13 @@ def run_cases(
     names = ("chat", "long", "token limit", *(("second query",) if second else ()))
     own = [Query(chat_text, context_size, reset_before=True)]
     runs = [
-        _checked(cases, run_dialog(bundle_dir, queries, logs / f"genie-greedy{suffix}.log", sampler=GREEDY))
-        for suffix, cases, queries in _dialogs(bundle_dir, names, greedy)
+        _checked(names, run_dialog(bundle_dir, greedy, logs / "genie-greedy.log", sampler=GREEDY)),
+        _checked(("own sampler",), run_dialog(bundle_dir, own, logs / "genie-sampled.log")),
     ]
-    runs.append(_checked(("own sampler",), run_dialog(bundle_dir, own, logs / "genie-sampled.log")))
     why = f"chat prompt, {LIMIT_TOKENS}-token reply and follow-up overfill context.size {context_size}"
     not_run = {} if second else {"second query": why}
     cases = [("chat", chat_ids), ("long", long_ids)]
     return RealRuns(runs, cases, chat_text, max_new_tokens, not_run=not_run)
-
-
-def _dialogs(
-    bundle_dir: Path, names: tuple[str, ...], queries: list[Query]
-) -> list[tuple[str, tuple[str, ...], list[Query]]]:
-    """The greedy queries in one dialog, or, where Genie cannot reset a dialog after a wrapped window
-    (rules.reset_after_wrap_works), a dialog per query that resets it: (log suffix, cases, queries)."""
-    dialog = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
-    if reset_after_wrap_works(dialog):
-        return [("", names, queries)]
-    out: list[tuple[str, tuple[str, ...], list[Query]]] = []
-    for name, query in zip(names, queries, strict=True):
-        if query.reset_before or not out:
-            out.append((f"-{name.replace(' ', '-')}", (), []))
-        suffix, cases, held = out[-1]
-        out[-1] = (suffix, (*cases, name), [*held, query])
-    return out
 
 
 def run_short(bundle_dir: Path, chat_text: str, chat_ids: list[int], new_tokens: int, logs: Path) -> RealRuns:

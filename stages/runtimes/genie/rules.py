@@ -134,20 +134,12 @@ def lut_problems(lut_bytes: dict[str, int]) -> list[str]:
 def swamask_path(dialog: dict) -> bool:
     """Whether QAIRT 2.51's libGenie.so runs this dialog's caches on its `SWAMASK` path (its log prints
     `SWAMASK` lines): measured, it does so exactly when the dialog has no perlayer-embedding LUT (a
-    Gemma 3, or a Gemma 4 built without per-layer embeddings), and two things break there
-    (docs/facts.md §3 (l)): `sliding_mask_problems` and `reset_after_wrap_works`."""
+    Gemma 3, or a Gemma 4 built without per-layer embeddings). Two things break there (docs/facts.md
+    §3 (l)): the sliding-window mask (`sliding_mask_problems`), and a query after GenieDialog_reset
+    that follows a wrapped window (`runInference(req): setupInput failed` with two parts, `graph-exec
+    failed` with one, status -1, or the process dies on a null buffer, exit -11; without the reset, or
+    with the LUT, it runs). Both are reproduced by tests/integration/test_gemma3.py."""
     return LUT_SECTION["per_layer_embedding"] not in dialog
-
-
-def reset_after_wrap_works(dialog: dict) -> bool:
-    """Whether GenieDialog_reset leaves the dialog usable once a query has wrapped the sliding window.
-
-    On the SWAMASK path (`swamask_path`) a query after a reset that follows a wrapped window fails
-    (`runInference(req): setupInput failed` with two parts, `graph-exec failed` with one; status -1,
-    or the process dies on a null buffer, exit -11). Without the reset the next query runs, and with
-    the LUT the same reset works. The smallest reproduction, held by tests/integration/test_gemma3.py:
-    a 36-token prompt past an 8-token window, 8 tokens, reset, any query."""
-    return not swamask_path(dialog)
 
 
 def sliding_mask_problems(dialog: dict) -> list[str]:
