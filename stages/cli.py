@@ -134,7 +134,11 @@ def main(ctx: click.Context, preset: str, workdir: Path, **overrides: str | None
 @main.command()
 @click.option("--prompt", required=True, envvar="G4V69_PROMPT", help="the user turn (or G4V69_PROMPT)")
 @click.option("--system", default=None, help="an optional system turn")
-@click.option("--raw", is_flag=True, help="send PROMPT as it is, without the chat template")
+@click.option(
+    "--raw",
+    is_flag=True,
+    help="send PROMPT as it is after BOS (as Genie queries text), without the chat template",
+)
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(1))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0), help="0 = greedy")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = off")
@@ -173,7 +177,7 @@ def generate(
     from stages.quant.runner import HostRunner, Sampling
 
     tok = ChatTokenizer(obj.checkpoint_dir())
-    ids = tok.encode(prompt) if raw else tok.chat_ids(prompt, system)
+    ids = tok.raw_ids(prompt) if raw else tok.chat_ids(prompt, system)
     if graphs == "quantized":
         gen, margins = _generate_quantized(obj, ids, max_new_tokens, (temperature, top_k, top_p, luts))
     else:

@@ -40,8 +40,11 @@ def chat_template(checkpoint_dir: Path) -> str:
     return stored_chat_template(checkpoint_dir) or RAW_TEMPLATE
 
 
-def render_chat(checkpoint_dir: Path, prompt: str, system: str | None = None) -> str:
-    """The text of a one-turn conversation, ending where the model's answer starts."""
+def render_chat(
+    checkpoint_dir: Path, prompt: str, system: str | None = None, template: str | None = None
+) -> str:
+    """The text of a one-turn conversation, ending where the model's answer starts (`template`: the
+    checkpoint's by default)."""
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -56,7 +59,7 @@ def render_chat(checkpoint_dir: Path, prompt: str, system: str | None = None) ->
         {"role": "user", "content": prompt}
     ]
     special = {k: _token_text(tok_cfg.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
-    return env.from_string(chat_template(checkpoint_dir)).render(
+    return env.from_string(template or chat_template(checkpoint_dir)).render(
         messages=messages, add_generation_prompt=True, **special
     )
 
@@ -97,6 +100,10 @@ class ChatTokenizer:
 
     def chat_ids(self, prompt: str, system: str | None = None) -> list[int]:
         return self.encode(render_chat(self.dir, prompt, system))
+
+    def raw_ids(self, text: str) -> list[int]:
+        """Text sent as it is, without the chat template, as Genie queries it: BOS, then the text."""
+        return self.encode(render_chat(self.dir, text, template=RAW_TEMPLATE))
 
     def token_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)

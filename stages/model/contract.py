@@ -11,7 +11,9 @@ layouts follow the Genie Gemma 4 contract (qai-hub-models 0.65 templates/gemma4,
   partial_rotary_factor of the frequencies rotate), `swa_position_ids_cos/sin` (1,1,T,Ds/2).
 - KV cache per owner layer i and KV head h: `{past|swa}_key_{i}_h{h}_in` (1,1,D,S) and
   `{past|swa}_value_{i}_h{h}_in` (1,1,S,D); the `_out` tensors hold only the T new entries.
-  S = C-T for full layers, W for sliding ones (Genie's sliding-window cache group).
+  S = C-T for full layers, W for sliding ones (Genie's sliding-window cache group). In a model
+  without per-layer inputs the sliding layers keep full-context `past_` caches instead and take
+  their window from `attention_mask` in the graph (`window_cache`, `sliding_mask_from_full`).
 
 Tensors that cross part boundaries are named so that the next part's input has the same name as the
 previous part's output (Genie wires graphs by tensor name), and start with `xfer_` (LINK_PREFIX: never
@@ -176,18 +178,55 @@ class LutSpec:
         return f"ufixed{self.bits}"
 
 
+# ---- cache layout ----
+def window_cache(geo: Geometry) -> bool:
+    """Whether the sliding-window layers keep their own window-sized caches (`swa_`, Genie's
+    sliding-window cache group), or full-context caches in the full-attention group (`past_`), the
+    graph then applying the window itself from `attention_mask` (`sliding_mask_from_full`).
+
+    QAIRT 2.51's Genie runs a sliding-window group right only in a dialog with a perlayer-embedding
+    LUT; without one (Gemma 3) it marks the group's new tokens at the wrong cache columns and cannot
+    reset the dialog after the window wrapped (docs/facts.md §3 (l), stages/runtimes/genie/rules.py).
+    The full-attention group it runs right on either path. The price: the sliding layers' caches span
+    the context (Gemma 3 270M at 8-bit KV: 16 MB instead of 4)."""
+    return bool(geo.ple_dim)
+
+
+def cache_kind(geo: Geometry, attention: str) -> str:
+    """The cache layout (FULL or SLIDING: its prefix and slots) of a layer of this attention kind."""
+    return attention if window_cache(geo) else FULL
+
+
 # ---- shapes ----
 def cache_slots(geo: Geometry, attention: str, context: int, ar: int) -> int:
     """Past KV slots a graph of AR tokens reads from one layer's cache inputs: the rest of the
-    context for full attention, the sliding window (or the rest of the context, where that is less:
-    a layout the plan prices and `check_fits` refuses to build) for sliding attention."""
-    return context - ar if attention == FULL else min(geo.sliding_window, context - ar)
+    context for a full-attention cache, the sliding window (or the rest of the context, where that
+    is less: a layout the plan prices and `check_fits` refuses to build) for a sliding-window one."""
+    if cache_kind(geo, attention) == FULL:
+        return context - ar
+    return min(geo.sliding_window, context - ar)
 
 
 def check_fits(geo: Geometry, context: int, kinds: Sequence[GraphKind]) -> None:
     """The contract's assumptions about the job, checked before any graph is built: every graph
-    kind's sliding-window cache inputs hold the whole window."""
+    kind's sliding-window cache inputs hold the whole window; where the graph applies the window
+    itself, no call is wider than the window and every layer's cache entries have one width (Genie's
+    cache group has one kv-dim)."""
     uses_sliding = any(layer.attention == SLIDING for layer in geo.layers)
+    if uses_sliding and not window_cache(geo):
+        dims = sorted({layer.head_dim for layer in geo.layers if layer.owns_kv})
+        if len(dims) > 1:
+            raise ContractError(
+                f"a model without per-layer inputs keeps its sliding-window layers in the full-attention "
+                f"cache group, whose entries have one width, but its layers' head_dim are {dims}"
+            )
+        for kind in kinds:
+            if kind.ar > geo.sliding_window:
+                raise ContractError(
+                    f"the {kind.role} AR ({kind.ar}) is wider than the sliding window "
+                    f"({geo.sliding_window}); use an AR of at most {geo.sliding_window}"
+                )
+        return
     for kind in kinds:
         if uses_sliding and context - kind.ar < geo.sliding_window:
             raise ContractError(
@@ -225,6 +264,30 @@ def part_graph_spec(
     )
 
 
+def sliding_mask_from_full(mask: Any, window: int) -> Any:
+    """A sliding-window layer's additive mask (1,1,T,S+T), in torch, from the full-attention mask of
+    a full-context cache: past slots in position order (Genie fills that group from slot 0), then the
+    T new tokens. A query row whose past holds n entries sits at position n + i and may see positions
+    above n + i - window: past slot j is out of the window exactly when slot j + window - i - 1 is one
+    of the visible past slots, so the window is the row's own past visibility shifted, a gather of the
+    mask itself. Every value stays one of the mask's two (0 and ATTENTION_MASK_MIN), so the quantized
+    graph computes it exactly with the mask's own encoding; no position or count enters the graph.
+    The new tokens' columns are the full mask's (the AR is at most the window: `check_fits`)."""
+    import torch
+
+    t = mask.shape[-2]
+    s = mask.shape[-1] - t
+    past = mask[..., :s]
+    padded = torch.cat((past, torch.full((1, 1, t, 1), ATTENTION_MASK_MIN)), dim=-1)
+    # Built in its final shape: a reshaped constant would export as a run-time Reshape, not an initializer.
+    index = torch.tensor(
+        [[[[min(j + window - i - 1, s) for j in range(s)] for i in range(t)]]], dtype=torch.int64
+    )
+    shifted = torch.gather(padded, -1, index)  # 0 where the slot is out of the window
+    past = torch.minimum(past, ATTENTION_MASK_MIN - shifted)
+    return torch.cat((past, mask[..., s:]), dim=-1)
+
+
 def _kvshare(geo: Geometry, donor: int, t: int, context: int) -> list[TensorSpec]:
     """A donor layer's whole attention K/V, for the KV-shared layers of later parts."""
     d = geo.layers[donor]
@@ -250,9 +313,9 @@ def _part_inputs(geo: Geometry, layers: range, first: bool, t: int, context: int
         inputs.append(TensorSpec(hidden_name(layers.start), (1, t, hidden)))
         if geo.ple_dim:
             inputs.append(TensorSpec(PER_LAYER_EMBEDS, (1, t, geo.num_layers, geo.ple_dim)))
-    if FULL in kinds_here:
+    if FULL in {cache_kind(geo, kind) for kind in kinds_here}:
         inputs.append(TensorSpec(MASK_NAME[FULL], (1, 1, t, cache_slots(geo, FULL, context, t) + t)))
-    if SLIDING in kinds_here:
+    if SLIDING in kinds_here and window_cache(geo):
         inputs.append(TensorSpec(MASK_NAME[SLIDING], (1, 1, t, cache_slots(geo, SLIDING, context, t) + t)))
     if FULL in kinds_here:
         inputs += [TensorSpec(rope_name(FULL, f), (1, 1, t, g_hd // 2)) for f in ("cos", "sin")]
@@ -266,13 +329,10 @@ def _part_inputs(geo: Geometry, layers: range, first: bool, t: int, context: int
         layer = geo.layers[i]
         if layer.owns_kv:
             s = cache_slots(geo, layer.attention, context, t)
+            kind = cache_kind(geo, layer.attention)
             for h in range(n_kv):
-                inputs.append(
-                    TensorSpec(cache_name(i, layer.attention, "key", h, "in"), (1, 1, layer.head_dim, s))
-                )
-                inputs.append(
-                    TensorSpec(cache_name(i, layer.attention, "value", h, "in"), (1, 1, s, layer.head_dim))
-                )
+                inputs.append(TensorSpec(cache_name(i, kind, "key", h, "in"), (1, 1, layer.head_dim, s)))
+                inputs.append(TensorSpec(cache_name(i, kind, "value", h, "in"), (1, 1, s, layer.head_dim)))
     return inputs
 
 
@@ -297,11 +357,8 @@ def _part_outputs(
     for i in layers:
         layer = geo.layers[i]
         if layer.owns_kv:
+            kind = cache_kind(geo, layer.attention)
             for h in range(geo.num_kv_heads):
-                outputs.append(
-                    TensorSpec(cache_name(i, layer.attention, "key", h, "out"), (1, 1, layer.head_dim, t))
-                )
-                outputs.append(
-                    TensorSpec(cache_name(i, layer.attention, "value", h, "out"), (1, 1, t, layer.head_dim))
-                )
+                outputs.append(TensorSpec(cache_name(i, kind, "key", h, "out"), (1, 1, layer.head_dim, t)))
+                outputs.append(TensorSpec(cache_name(i, kind, "value", h, "out"), (1, 1, t, layer.head_dim)))
     return outputs

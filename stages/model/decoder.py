@@ -22,12 +22,14 @@ from stages.model.contract import (
     PER_LAYER_EMBEDS,
     PER_LAYER_INPUTS,
     GraphSpec,
+    cache_kind,
     cache_name,
     hidden_name,
     kvshare_name,
     rope_name,
+    sliding_mask_from_full,
 )
-from stages.model.geometry import Geometry, Layer
+from stages.model.geometry import FULL, SLIDING, Geometry, Layer
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -209,17 +211,18 @@ class DecoderPart(nn.Module):
             if kvshare_name(donor, "key") in x:  # a donor in an earlier part
                 shared[donor] = (x[kvshare_name(donor, "key")], x[kvshare_name(donor, "value")])
         n_kv = geo.num_kv_heads
+        masks = {kind: x[name] for kind, name in MASK_NAME.items() if name in x}
+        if SLIDING not in masks and any(geo.layers[i].attention == SLIDING for i in spec.layers):
+            # Sliding layers in the full cache group (contract.window_cache): the window in the graph.
+            masks[SLIDING] = sliding_mask_from_full(masks[FULL], geo.sliding_window)
         for i in spec.layers:
             layer = self.layers[str(i)]
-            mask = x[MASK_NAME[layer.attention]]
+            mask = masks[layer.attention]
             cos, sin = x[rope_name(layer.attention, "cos")], x[rope_name(layer.attention, "sin")]
+            kind = cache_kind(geo, layer.attention)
             cache = None
             if layer.owns_kv:
-                names = [
-                    cache_name(i, layer.attention, w, hd, "in")
-                    for w in ("key", "value")
-                    for hd in range(n_kv)
-                ]
+                names = [cache_name(i, kind, w, hd, "in") for w in ("key", "value") for hd in range(n_kv)]
                 cache = (
                     torch.cat([x[n] for n in names[:n_kv]], dim=1),
                     torch.cat([x[n] for n in names[n_kv:]], dim=1),
@@ -231,8 +234,8 @@ class DecoderPart(nn.Module):
             if layer.owns_kv:
                 shared[i] = kv
                 for hd in range(n_kv):
-                    out[cache_name(i, layer.attention, "key", hd, "out")] = new[0][:, hd : hd + 1]
-                    out[cache_name(i, layer.attention, "value", hd, "out")] = new[1][:, hd : hd + 1]
+                    out[cache_name(i, kind, "key", hd, "out")] = new[0][:, hd : hd + 1]
+                    out[cache_name(i, kind, "value", hd, "out")] = new[1][:, hd : hd + 1]
             if kvshare_name(i, "key") in {o.name for o in spec.outputs}:
                 out[kvshare_name(i, "key")], out[kvshare_name(i, "value")] = kv
 

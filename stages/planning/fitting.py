@@ -32,8 +32,8 @@ from typing import Any
 from stages.core.config import PipelineConfig
 from stages.core.precision import usable_precisions
 from stages.core.soc import GIB, MIB
-from stages.model.contract import cache_slots
-from stages.model.geometry import FULL, LINEAR, Geometry, Tensor
+from stages.model.contract import cache_kind, cache_slots
+from stages.model.geometry import FULL, LINEAR, SLIDING, Geometry, Tensor
 from stages.model.graphs import GraphKind, graph_name, part_name
 from stages.planning.job import Job, part_extras, tensor_bytes, weight_scheme
 
@@ -207,7 +207,7 @@ class Plan:
 
 
 def kv_slots(geo: Geometry, attention: str, cfg: PipelineConfig, windowed: bool = True) -> int:
-    if attention == FULL or not windowed:
+    if cache_kind(geo, attention) == FULL or not windowed:
         return cfg.max_context
     return min(geo.sliding_window, cfg.max_context)
 
@@ -239,7 +239,9 @@ def graph_allocation(
     slide_dim = max((lay.head_dim for lay in geo.layers if lay.attention != FULL), default=0)
     io = ar * hidden * act * (1 if last else 2)  # hidden state (inputs_embeds) in; out unless last
     io += ar * geo.num_layers * geo.ple_dim * act
-    io += ar * ctx * act + ar * (min(geo.sliding_window, ctx - ar) + ar) * act
+    io += ar * ctx * act  # the masks
+    if cache_kind(geo, SLIDING) == SLIDING:
+        io += ar * (min(geo.sliding_window, ctx - ar) + ar) * act
     io += 2 * ar * (full_dim + slide_dim) // 2 * act  # cos and sin of both RoPE tables
     donors_from_outside = set()
     for li in layers:

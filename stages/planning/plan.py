@@ -75,7 +75,7 @@ def render_plan(
     out += ["", "Device memory"]
     rows = [[f"{k} LUT", fmt_mib(v)] for k, v in plan.luts.items()]
     rows += [
-        ["KV cache (sliding layers windowed)", fmt_mib(plan.kv_cache_bytes)],
+        ["KV cache (as laid out: windowed sliding caches where Genie allows)", fmt_mib(plan.kv_cache_bytes)],
         ["KV cache (every layer full length)", fmt_mib(plan.kv_cache_bytes_without_window)],
         ["pinned, weight-shared binaries", fmt_gib(plan.device_bytes_shared_weights)],
         ["pinned, separate prefill/decode binaries", fmt_gib(plan.device_bytes_separate_binaries)],

@@ -29,7 +29,9 @@ from stages.model.contract import (
     PER_LAYER_INPUTS,
     GraphSpec,
     LutSpec,
+    cache_kind,
     cache_name,
+    cache_slots,
     rope_name,
 )
 from stages.model.encoding import LutFile
@@ -191,16 +193,17 @@ class _Caches:
         self.values: dict[int, np.ndarray] = {}
         for layer in geo.layers:
             if layer.owns_kv:
-                slots = context if layer.attention == FULL else self.window
+                slots = context if cache_kind(geo, layer.attention) == FULL else self.window
                 self.keys[layer.index] = np.zeros((geo.num_kv_heads, layer.head_dim, slots), np.float32)
                 self.values[layer.index] = np.zeros((geo.num_kv_heads, slots, layer.head_dim), np.float32)
         # Absolute position held by each sliding-window slot (-1: empty).
         self.swa_positions = np.full(self.window, -1, np.int64)
 
-    def write(self, layer: int, attention: str, start: int, keys: np.ndarray, values: np.ndarray) -> None:
-        """keys (kv,D,n) and values (kv,n,D) for positions start..start+n-1."""
+    def write(self, layer: int, kind: str, start: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """keys (kv,D,n) and values (kv,n,D) for positions start..start+n-1, into a cache of this
+        kind (`cache_kind`)."""
         n = keys.shape[-1]
-        if attention == FULL:
+        if kind == FULL:
             self.keys[layer][:, :, start : start + n] = keys
             self.values[layer][:, start : start + n] = values
         else:
@@ -425,10 +428,11 @@ class HostRunner:
             tensors[PER_LAYER_INPUTS] = ple[None]
         for layer, keys in self.caches.keys.items():
             attention = self.geo.layers[layer].attention
-            slots = self.context - t if attention == FULL else self.geo.sliding_window
+            kind = cache_kind(self.geo, attention)
+            slots = cache_slots(self.geo, attention, self.context, t)
             for h in range(self.geo.num_kv_heads):
-                tensors[cache_name(layer, attention, "key", h, "in")] = keys[h : h + 1, :, :slots][None]
-                tensors[cache_name(layer, attention, "value", h, "in")] = self.caches.values[layer][
+                tensors[cache_name(layer, kind, "key", h, "in")] = keys[h : h + 1, :, :slots][None]
+                tensors[cache_name(layer, kind, "value", h, "in")] = self.caches.values[layer][
                     h : h + 1, :slots
                 ][None]
         for spec, path in graph[:parts]:
@@ -444,22 +448,16 @@ class HostRunner:
                 self.observer(spec, feeds, results, n)
             tensors.update(results)
         for layer in self.caches.keys:
-            attention = self.geo.layers[layer].attention
-            if cache_name(layer, attention, "key", 0, "out") not in tensors:
+            kind = cache_kind(self.geo, self.geo.layers[layer].attention)
+            if cache_name(layer, kind, "key", 0, "out") not in tensors:
                 continue
             keys = np.concatenate(
-                [
-                    tensors[cache_name(layer, attention, "key", h, "out")][0]
-                    for h in range(self.geo.num_kv_heads)
-                ]
+                [tensors[cache_name(layer, kind, "key", h, "out")][0] for h in range(self.geo.num_kv_heads)]
             )
             values = np.concatenate(
-                [
-                    tensors[cache_name(layer, attention, "value", h, "out")][0]
-                    for h in range(self.geo.num_kv_heads)
-                ]
+                [tensors[cache_name(layer, kind, "value", h, "out")][0] for h in range(self.geo.num_kv_heads)]
             )
-            self.caches.write(layer, attention, self.position, keys[:, :, :n], values[:, :n])
+            self.caches.write(layer, kind, self.position, keys[:, :, :n], values[:, :n])
         new_positions = self.position + np.arange(n)
         for p in new_positions[-self.geo.sliding_window :]:
             self.caches.swa_positions[p % self.geo.sliding_window] = p

@@ -1,9 +1,13 @@
 """A toy Gemma 3 checkpoint written by transformers itself (Gemma3ForCausalLM.save_pretrained, a base
 model: no chat template) through every stage: download (imported), export (parity with transformers'
-own Gemma 3), quantize, compile, and bundle, which refuses it: QAIRT 2.51's Genie masks a
-sliding-window cache wrongly in a dialog without a per-layer-embedding LUT (rules.sliding_mask_problems).
-A bundle built past that check is the smallest reproduction of both Genie defects of that path, each
-checked against the real Genie, so that a Genie that fixes them makes these tests say so.
+own Gemma 3), quantize, compile, bundle and verify under the real Genie.
+
+QAIRT 2.51's Genie runs a sliding-window cache group wrongly in a dialog without a per-layer-embedding
+LUT (docs/facts.md §3 (l)), so a Gemma 3 graph keeps its sliding layers in the full-attention cache
+group and applies the window itself (stages.model.contract.window_cache). The Genie-facing layout
+Gemma 4 uses (a window-sized `swa_` group), built here past the bundle stage's refusal, is the
+smallest reproduction of both Genie defects of that path, so that a Genie that fixes them makes these
+tests say so.
 
 The toy has what separates Gemma 3 from Gemma 4 in the graphs: RMSNorm weights stored minus one,
 query_pre_attn_scalar unlike head_dim (the score scale), no value norm, no layer scalar, plain RoPE
@@ -126,42 +130,144 @@ def test_export_matches_transformers_gemma3(toy, exported):
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
-@pytest.fixture(scope="module")
-def compiled(toy, exported) -> Path:
+def _build(work: Path, stages: tuple[str, ...] = ("quantize", "compile", "bundle")) -> Path:
     from stages.compile import run_compile
     from stages.quantize import run_quantize
+    from stages.runtimes.genie.bundle import run_bundle
 
-    cfg = _cfg()
-    run_quantize(cfg, toy, toy / "checkpoints" / MODEL)
-    run_compile(cfg, toy)
-    return toy
+    cfg, ckpt = _cfg(), work / "checkpoints" / MODEL
+    run = {
+        "export": lambda: run_export(cfg, work, ckpt),
+        "quantize": lambda: run_quantize(cfg, work, ckpt),
+        "compile": lambda: run_compile(cfg, work),
+        "bundle": lambda: run_bundle(cfg, work, ckpt),
+    }
+    for stage in stages:
+        run[stage]()
+    return work / "genie_bundle"
 
 
-def test_the_bundle_stage_refuses_a_sliding_window_cache_genie_would_mask_wrongly(compiled, tmp_path):
-    """Every stage up to the binaries runs; the bundle stage names the Genie defect and writes nothing."""
+@pytest.fixture(scope="module")
+def bundle(toy, exported) -> Path:
+    return _build(toy)
+
+
+def test_the_sliding_layers_share_the_full_cache_group(bundle):
+    """One cache group, `past_`, with no sliding-window longcontext: every cache spans the context and
+    no graph reads a `swa_` cache or mask (the window is in the graph), so Genie's SWAMASK defects
+    cannot touch it; the bundle stage's rule finds nothing."""
+    from stages.runtimes.genie.files import GENIE_CONFIG
+    from stages.runtimes.genie.rules import sliding_mask_problems, swamask_path
+
+    dialog = json.loads((bundle / GENIE_CONFIG).read_text())["dialog"]
+    groups = dialog["engine"]["cache-groups"]
+    assert [(g["prefix"], g["attention-mask-tensor-name"], "longcontext" in g) for g in groups] == [
+        ("past_", "attention_mask", False)
+    ]
+    assert swamask_path(dialog) and sliding_mask_problems(dialog) == []
+    from stages.planning.results import CompileResult, read_result
+
+    io = read_result(bundle.parent, "compile", CompileResult).graph_io
+    inputs = {name for graph in io.values() for name in graph["inputs"]}
+    assert "swa_attention_mask" not in inputs and not any(n.startswith("swa_key") for n in inputs)
+    assert {f"past_key_{i}_h0_in" for i in range(6)} <= inputs
+
+
+def test_verify_holds_the_real_genie_to_the_host_and_transformers(bundle):
+    """make verify on the toy: every real-Genie case runs (a prompt past the 8-token window, the
+    token limit, a second query, the own sampler to a full context) and passes its comparison."""
+    from stages.runtimes.genie.verify import run_verify
+
+    work = bundle.parent
+    real = run_verify(_cfg(), work, work / "checkpoints" / MODEL, "Return the first element of a list.")[
+        "figures"
+    ]["real_genie"]
+    assert real["ran"] and real["not_run"] == {}
+    verdicts = {(c["case"], c["against"]): c["verdict"] for c in real["comparisons"]}
+    assert set(verdicts.values()) == {"passed"} and len(verdicts) >= 5, verdicts
+
+
+def test_the_real_genie_feeds_every_call_as_the_emulator_across_the_window(bundle, tmp_path):
+    """Attention barely moves a random toy's tokens, so the masks are held directly: every input of
+    every call (the full mask the window is taken from, the caches past the window) equals Genie's
+    own dumps."""
+    from genie_dumps import compare_feeds_with_dumps
+
+    from stages.planning.results import CompileResult, read_result
+    from stages.runtimes.genie.emulator import GenieEmulator
+    from stages.runtimes.genie.prompt import query_text
+    from stages.runtimes.genie.real import GREEDY, Query, run_dialog
+
+    work = bundle.parent
+    emulator = GenieEmulator(bundle, read_result(work, "compile", CompileResult), "htp", work / "quantized")
+    text = query_text(bundle, "Return the first element of a list.")
+    emulator.record = lambda step: True
+    emulated = emulator.generate(emulator.query_ids(text), 8, greedy=True)
+    assert len(emulated.prompt_ids) > 2 * TOY_GEMMA3["sliding_window"]
+    dumps = tmp_path / "dumps"
+    run = run_dialog(bundle, [Query(text, 8)], tmp_path / "genie.log", GREEDY, dump_dir=dumps)
+    assert run.statuses == [0]
+    assert compare_feeds_with_dumps(emulator, dumps) >= 10 * len(emulator.recorded)
+
+
+def test_a_dialog_resets_after_the_window_wrapped(bundle, tmp_path):
+    """What failed on the `swa_` layout (below) runs on this one: a prompt past the window, a reset,
+    the same prompt again, answered as the first time."""
+    from stages.runtimes.genie.real import GREEDY, Query, run_dialog
+
+    prompt = "Return the first element of a list."
+    run = run_dialog(
+        bundle,
+        [Query(prompt, 8, reset_before=True), Query(prompt, 8, reset_before=True)],
+        tmp_path / "reset.log",
+        sampler=GREEDY,
+    )
+    assert run.statuses == [0, 0] and run.answers[0] == run.answers[1]
+
+
+# ---- the `swa_` layout, which QAIRT 2.51's Genie runs wrongly without a per-layer LUT ----
+@pytest.fixture(scope="module")
+def window_work(toy, tmp_path_factory) -> Path:
+    """The toy exported, quantized and compiled with Gemma 4's window-sized `swa_` caches."""
     import shutil
 
-    from stages.runtimes.genie.bundle import BundleError, run_bundle
+    from stages.model import contract
+
+    work = tmp_path_factory.mktemp("gemma3-swa")
+    shutil.copytree(toy / "checkpoints", work / "checkpoints")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(contract, "window_cache", lambda geo: True)
+        _build(work, ("export", "quantize", "compile"))
+    return work
+
+
+def test_the_bundle_stage_refuses_a_sliding_window_cache_genie_would_mask_wrongly(window_work, tmp_path):
+    """Given graphs with a `swa_` cache and no per-layer LUT, the bundle stage names the Genie defect
+    and writes nothing."""
+    import shutil
+
+    from stages.runtimes.genie.bundle import BundleError
 
     work = tmp_path / "w"
-    shutil.copytree(compiled, work)
+    shutil.copytree(window_work, work)
     with pytest.raises(BundleError, match="masks the sliding-window cache group 'swa_'.*garbage"):
-        run_bundle(_cfg(), work, work / "checkpoints" / MODEL)
+        _build(work, ("bundle",))
     assert not (work / "genie_bundle").exists()
 
 
 @pytest.fixture(scope="module")
-def bundle(compiled) -> Path:
+def window_bundle(window_work) -> Path:
     """The bundle the stage refuses, built past that one check: the reproductions below run it."""
+    from stages.model import contract
     from stages.runtimes.genie import bundle as stage
 
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(contract, "window_cache", lambda geo: True)
         patch.setattr(stage, "sliding_mask_problems", lambda dialog: [])
-        stage.run_bundle(_cfg(), compiled, compiled / "checkpoints" / MODEL)
-    return compiled / "genie_bundle"
+        return _build(window_work, ("bundle",))
 
 
-def test_genie_masks_the_sliding_window_cache_by_token_index_without_a_per_layer_lut(bundle, tmp_path):
+def test_genie_masks_the_sliding_window_cache_by_token_index_without_a_per_layer_lut(window_bundle, tmp_path):
     """The smallest reproduction of rules.sliding_mask_problems: Genie's own dump of the first call's
     `swa_attention_mask` marks row r visible at cache columns 0..r (where the empty cache slots are),
     while the graph computes the prompt's own keys at columns W..W + r (W: the window's past slots),
@@ -172,7 +278,8 @@ def test_genie_masks_the_sliding_window_cache_by_token_index_without_a_per_layer
     from stages.runtimes.genie.prompt import query_text
     from stages.runtimes.genie.real import GREEDY, Query, run_dialog
 
-    work = bundle.parent
+    work = window_bundle.parent
+    bundle = window_bundle
     emulator = GenieEmulator(bundle, read_result(work, "compile", CompileResult), "cpu", work / "quantized")
     text = query_text(bundle, "Hi")
     emulator.record = lambda step: step["index"] == 0
@@ -196,13 +303,14 @@ def test_genie_masks_the_sliding_window_cache_by_token_index_without_a_per_layer
         assert np.flatnonzero(genie[0, 0, r]).tolist() == list(range(r + 1)), f"row {r}: Genie fixed it?"
 
 
-def test_genie_cannot_reset_a_dialog_without_a_per_layer_lut_after_the_window_wrapped(bundle, tmp_path):
+def test_genie_cannot_reset_without_a_per_layer_lut_after_the_window_wrapped(window_bundle, tmp_path):
     """The smallest reproduction of the reset failure on rules.swamask_path (QAIRT 2.51's
     libGenie.so): a prompt past the 8-token window, a few tokens, a reset, then any query fails;
     without the reset, or before the window wrapped, the same queries run. When a later Genie fixes
     it, this test says so."""
     from stages.runtimes.genie.real import GREEDY, Query, RealGenieError, run_dialog
 
+    bundle = window_bundle
     prompt = "Return the first element of a list."  # 36 tokens with BOS
     wrapped = [Query(prompt, 8, reset_before=True), Query(prompt, 3, reset_before=True)]
     # The failure is a negative status or, as often, the child process dying (exit -11): both count.

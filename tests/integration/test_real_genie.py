@@ -224,7 +224,7 @@ def test_the_emulator_feeds_every_call_as_the_real_genie_does(bundle, tmp_path):
     """The emulator's claims about Genie (LUT feeds, chunking and padded rows, masks, RoPE tables,
     KV$ updates including the sliding window's wrap, the hand-over between parts), checked call by
     call against the real Genie's own dumps of every graph input on the same bundle and prompt."""
-    import numpy as np
+    from genie_dumps import compare_feeds_with_dumps
 
     from stages.planning.results import CompileResult, read_result
     from stages.runtimes.genie.emulator import GenieEmulator
@@ -238,38 +238,7 @@ def test_the_emulator_feeds_every_call_as_the_real_genie_does(bundle, tmp_path):
     run = run_dialog(bundle, [Query(text, 8)], tmp_path / "genie.log", GREEDY, dump_dir=dumps)
     assert run.statuses == [0]
     assert emulated.steps[0]["wraps"] == [] and any(s["wraps"] for s in emulated.steps)  # crosses the window
-    compared = 0
-    for k, call in enumerate(emulator.recorded):
-        n = call.step["n_process"]
-        for graph, feeds, _ in call.runs:
-            folder = dumps / "text_primary" / graph.qnn_name
-            if graph.name.endswith("part1_of_2"):  # every call runs the first part
-                assert (folder / f"{k:03d}_in_inputs_embeds").is_file(), (
-                    f"call {k}: Genie ran no {graph.name}"
-                )
-            for name, want in feeds.items():
-                path = folder / f"{k:03d}_in_{name}"
-                if not path.is_file():  # Genie skips the last part of prefill chunks whose logits it drops
-                    continue
-                got = np.fromfile(path, dtype=want.dtype).reshape(want.shape)
-                if name.startswith("xfer_kvshare"):
-                    continue  # the caches above, plus the new rows of padded positions nobody reads
-                if name.startswith("xfer_"):
-                    got, want = got[:, :n], want[:, :n]  # hand-over rows of the valid positions
-                if "position_ids" in name:  # a padded row's RoPE is Genie's own choice: it attends nothing
-                    got, want = got[..., :n, :], want[..., :n, :]
-                apart = np.abs(got.astype(np.int64) - want.astype(np.int64))
-                # RoPE angles in double: a last-bit difference in cos/sin moves an entry by one step,
-                # and a key computed from it may move by one step too. Everything else is exact.
-                loose = "position_ids" in name or name.endswith("_in")
-                assert apart.max() <= (1 if loose else 0), (
-                    f"call {k} {graph.name} {name}: {apart.max()} apart"
-                )
-                assert (apart > 0).mean() <= 0.02, (
-                    f"call {k} {graph.name} {name}: {(apart > 0).sum()} entries"
-                )
-                compared += 1
-    assert compared >= 14 * len(emulator.recorded)
+    assert compare_feeds_with_dumps(emulator, dumps) >= 14 * len(emulator.recorded)
 
 
 def test_a_reply_stops_cleanly_at_an_eos_token(bundle, tmp_path):

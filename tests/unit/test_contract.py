@@ -6,7 +6,12 @@ import pytest
 
 from stages.core.config import load_config
 from stages.model.contract import ContractError
-from stages.model.geometry import TINY_TEXT_CONFIG, e2b_geometry, geometry_from_config
+from stages.model.geometry import (
+    GEMMA3_270M_TEXT_CONFIG,
+    TINY_TEXT_CONFIG,
+    e2b_geometry,
+    geometry_from_config,
+)
 from stages.planning.fitting import plan_config
 from stages.planning.job import Job
 
@@ -99,6 +104,48 @@ def test_context_must_leave_room_for_the_window():
         Job.build(geo, cfg)
     # The plan still prices it (a layout table prices variants no export builds).
     assert Job.build(geo, cfg, specs=False).specs == ()
+
+
+def test_a_model_without_per_layer_inputs_keeps_its_sliding_layers_in_the_full_cache_group():
+    """Gemma 3 270M at the preset's layout: no `swa_` tensor (Genie 2.51 masks that group wrongly
+    without a perlayer-embedding LUT, docs/facts.md §3 (l)); every cache spans the context, one mask."""
+    geo = geometry_from_config(GEMMA3_270M_TEXT_CONFIG)
+    cfg = load_config("gemma3-270m")
+    specs = Job.build(geo, cfg).shipped_specs
+    names = {t.name for spec in specs for t in spec.inputs + spec.outputs}
+    assert not any(n.startswith("swa_") and "position_ids" not in n for n in names)
+    for spec in specs:
+        shapes = _shapes(spec)
+        assert shapes["attention_mask"] == (1, 1, spec.ar, cfg.max_context)
+        for i in spec.layers:
+            assert shapes[f"past_key_{i}_h0_in"] == (1, 1, 256, cfg.max_context - spec.ar)
+    wide = load_config("gemma3-270m", {"prefill_ar": 1024, "decode_ar": 1024})
+    with pytest.raises(ContractError, match="wider than the sliding window"):
+        Job.build(geo, wide)
+
+
+@pytest.mark.parametrize("ar", [1, 4, 8])
+def test_the_in_graph_window_is_transformers_sliding_window(ar):
+    """sliding_mask_from_full against the window's definition (a key at most window - 1 positions
+    back), at every fill of the cache: the row's position is its count of visible columns."""
+    import numpy as np
+    import torch
+
+    from stages.model.contract import ATTENTION_MASK_MIN, sliding_mask_from_full
+
+    window, context = 8, 40
+    slots = context - ar
+    for n_past in range(slots + 1):
+        rows, new = n_past + np.arange(ar), np.arange(ar)
+        columns = np.concatenate([np.arange(slots), n_past + new])
+        visible = np.concatenate(
+            [np.broadcast_to(np.arange(slots) < n_past, (ar, slots)), new[None, :] <= new[:, None]], axis=1
+        )
+        full = torch.tensor(np.where(visible, 0.0, ATTENTION_MASK_MIN).astype(np.float32)[None, None])
+        got = sliding_mask_from_full(full, window).numpy()[0, 0]
+        assert set(np.unique(got)) <= {0.0, ATTENTION_MASK_MIN}
+        want = visible & (rows[:, None] - columns[None, :] < window)
+        assert ((got == 0) == want).all(), n_past
 
 
 def test_sampling_greedy_top_k_top_p_and_seeded_temperature():

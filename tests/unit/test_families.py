@@ -118,3 +118,17 @@ def test_a_base_model_prompt_is_its_raw_text_and_its_stop_tokens_the_familys(tmp
     assert chat_template(tmp_path) == RAW_TEMPLATE
     assert render_chat(tmp_path, "The capital of France is") == "<bos>The capital of France is"
     assert stop_token_ids(tmp_path) == [1, 106]
+
+
+def test_a_raw_prompt_starts_with_bos_as_genie_queries_it(tmp_path):
+    """`g4v69 generate --raw` skips the chat template, not BOS: Genie puts bos-token before any text
+    (docs/facts.md §3), and a Gemma without BOS answers garbage (Gemma 3 270M did)."""
+    from stages.model.builtin_models import write_tokenizer_files
+    from stages.model.chat import ChatTokenizer
+
+    write_tokenizer_files(tmp_path, 1024)
+    tok = ChatTokenizer(tmp_path)
+    bos = tok.token_id(json.loads((tmp_path / "tokenizer_config.json").read_text())["bos_token"])
+    assert bos is not None
+    assert tok.raw_ids("Hi there") == [bos] + tok.encode("Hi there")
+    assert tok.chat_ids("Hi there") != tok.raw_ids("Hi there")

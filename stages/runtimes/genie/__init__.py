@@ -24,11 +24,11 @@ class GenieRuntime:
     def layout_problems(self, cfg: PipelineConfig, geo) -> list[str]:
         """A graph call as wide as a sliding-window group's past or wider: Genie 2.51 never writes
         that group's cache (rules.window_not_written, measured with the real libGenie.so)."""
-        from stages.model.contract import CACHE_PREFIX, cache_slots
+        from stages.model.contract import CACHE_PREFIX, cache_slots, window_cache
         from stages.model.geometry import SLIDING
         from stages.runtimes.genie.rules import window_not_written
 
-        if not any(layer.attention == SLIDING for layer in geo.layers):
+        if not window_cache(geo) or not any(layer.attention == SLIDING for layer in geo.layers):
             return []
         problems = []
         for ar in sorted({cfg.prefill_ar, cfg.decode_ar}):

@@ -151,7 +151,10 @@ def sliding_mask_problems(dialog: dict) -> list[str]:
     slots and never to the tokens it is given. Measured on Gemma 3 270M's bundle (a prompt of 8
     tokens: row r visible at columns 0..r, where the graph's own rows sit at 512..512 + r; with
     Genie's dumped feeds the host runner answers Genie's garbage, with that one mask replaced it
-    answers as transformers does), held by tests/integration/test_gemma3.py on a toy."""
+    answers as transformers does), held by tests/integration/test_gemma3.py on a toy. Export therefore
+    never builds that layout (`stages.model.contract.window_cache`: such a model's sliding layers live
+    in the full-attention group, the window applied in the graph); this guards configs and graphs from
+    elsewhere."""
     if not swamask_path(dialog):
         return []
     groups = dialog.get("engine", {}).get("cache-groups", [])
@@ -160,7 +163,8 @@ def sliding_mask_problems(dialog: dict) -> list[str]:
         f"Genie 2.51 masks the sliding-window cache group {prefix!r} of a dialog without a "
         "perlayer-embedding LUT by token index (a query's own tokens at cache columns, not at the graph's "
         "new-token columns): every sliding-window layer would attend to empty slots and the bundle would "
-        "answer garbage on the phone (docs/facts.md §3 (l)). A model without per-layer embeddings (Gemma 3) "
-        "cannot be bundled for Genie 2.51 with a sliding-window cache; its other stages run"
+        "answer garbage on the phone (docs/facts.md §3 (l)). Export puts the sliding layers of a model "
+        "without per-layer embeddings in the full-attention group: run `make export` again (these graphs "
+        "come from another layout)"
         for prefix in sliding
     ]
