@@ -133,6 +133,12 @@ class QuantizeResult(StageResult):
         """Held-out quality against the float graphs, by PLE policy."""
         return self.report.figures["quality"]
 
+    @property
+    def output_sqnr_db(self) -> dict[str, dict[str, float]]:
+        """Each quantized graph's outputs against the float graph's on held-out text (SQNR, dB), by
+        graph name and tensor, under the PLE policy the graphs were kept with."""
+        return self.quality.get(self.ple_policy, {}).get("sqnr_db", {})
+
 
 @dataclass(frozen=True)
 class CompiledGraph:

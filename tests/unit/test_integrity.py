@@ -385,3 +385,17 @@ def test_verify_names_the_presets_floor_it_fell_below():
     assert line.endswith("0.650, 0.050 below 0.7 (min_top1_agreement_w4 0.75 less 0.05)")
     (line,) = Thresholds().shortfalls(w4, _measured(matching_prefix=3, generated=5))
     assert "match transformers for 3, 2 short of 5 (VERIFY_MIN_PREFIX)" in line
+
+
+def test_the_held_out_floor_gives_way_by_two_standard_errors_of_its_sample():
+    """Gemma 3 270M: 0.766 on verify's 64 held-out predictions, where its quantized graphs measure
+    0.897 on quantize's 2,044 tokens and the preset's floor is 0.86 (0.81 for verify)."""
+    from stages.runtimes.genie.verify import Thresholds, heldout_floor
+
+    g3 = load_config("gemma3-270m")
+    assert heldout_floor(0.81, 64) == 0.712 and heldout_floor(0.81, 0) == 0.81
+    assert Thresholds().shortfalls(g3, _measured(top1_heldout=0.766, heldout_predictions=64)) == []
+    (line,) = Thresholds().shortfalls(g3, _measured(top1_heldout=0.6, heldout_predictions=64))
+    assert line.endswith(
+        "below 0.712 (min_top1_agreement_w8 0.86 less 0.05, less 2 standard errors over 64 predictions)"
+    )

@@ -27,6 +27,25 @@ def _verdicts(runs: RealRuns, want: str, min_tokens: int = 8) -> tuple[list[str]
     return problems, {c.case: (c.verdict, c.asked, c.agreed, c.why) for c in done}
 
 
+def test_an_answer_may_part_from_transformers_only_at_a_runtime_near_tie():
+    """Gemma 3 270M's case: transformers and the bundle's graphs on the host pick "The" over "What"
+    (the graphs by 0.099 logits), the real Genie on the HTP picks "What". Within the measured runtime
+    bound it passes, named; beyond it, or where the graphs themselves part (infinite), it fails."""
+    from stages.runtimes.genie.verify import runtime_near_ties
+
+    assert runtime_near_ties([1, 2, 3], [1, 2, 4], [1.5, 0.1, 0.2]) == [1.5, 0.1, float("inf")]
+    margins = [1.19, 0.28, 1.17, 2.03]
+    want = ("transformers", encode("abcd"), margins)
+    runs = _runs("axyz")
+    _, done = compare(runs, {"chat": want}, {0}, decode, encode, 4, quality_near_tie=0.5)
+    chat = next(c for c in done if c.case == "chat")
+    assert (chat.verdict, chat.asked, chat.agreed) == (PASSED, 4, 1)
+    assert "top-2 margin on the same graphs is 0.2800 <= 0.5000: a near-tie" in chat.why
+    problems, done = compare(runs, {"chat": want}, {0}, decode, encode, 4, quality_near_tie=0.2)
+    chat = next(c for c in done if c.case == "chat")
+    assert chat.verdict == FAILED and "0.2800" in problems[0]
+
+
 def test_answers_agree_token_by_token_up_to_the_tokens_asked():
     problems, got = _verdicts(_runs("hello world"), "hello there", min_tokens=6)
     assert problems == [] and got["chat"] == (PASSED, 6, 6, "")

@@ -165,10 +165,20 @@ def leading_agreement(a: list[int], b: list[int]) -> int:
 
 
 def compare_ids(
-    case: str, against: str, got: list[int], want: list[int], min_tokens: int, new_tokens: int
+    case: str,
+    against: str,
+    got: list[int],
+    want: list[int],
+    min_tokens: int,
+    new_tokens: int,
+    margins: list[float] | None = None,
+    near_tie: float = 0.0,
 ) -> Comparison:
     """Genie's greedy ids against the reference's (stop tokens already left out of both): the first
-    min(min_tokens, new_tokens, len(want)) must be equal; `agreed` counts all the equal leading ids."""
+    min(min_tokens, new_tokens, len(want)) must be equal, unless they part where `margins` (one per
+    reference id: the top-2 margin of a pick the runtime's arithmetic may swap, infinite where none
+    may) is within `near_tie` (measured by the caller): a near-tie, named with its margin. `agreed`
+    counts all the equal leading ids."""
     asked = min(min_tokens, new_tokens, len(want))
     if asked == 0:
         why = (
@@ -180,7 +190,13 @@ def compare_ids(
         )
         return Comparison(case, against, 0, 0, NOT_CHECKED, why)
     agreed = leading_agreement(got, want)
-    return Comparison(case, against, asked, agreed, PASSED if agreed >= asked else FAILED)
+    if agreed >= asked:
+        return Comparison(case, against, asked, agreed, PASSED)
+    margin = margins[agreed] if margins is not None and agreed < len(margins) else float("inf")
+    where = f"parted at token {agreed}, where the top-2 margin on the same graphs is {margin:.4f}"
+    if margin <= near_tie:
+        return Comparison(case, against, asked, agreed, PASSED, f"{where} <= {near_tie:.4f}: a near-tie")
+    return Comparison(case, against, asked, agreed, FAILED, where if margins is not None else "")
 
 
 RUNTIME_REFERENCE = "the emulator on the same graphs"
@@ -258,10 +274,13 @@ def compare(
     min_tokens: int,
     runtime: dict[str, tuple[list[int], list[float]]] | None = None,
     near_tie: float = 0.0,
+    quality_near_tie: float = 0.0,
 ) -> tuple[list[str], list[Comparison]]:
     """Shortfalls of the real Genie's greedy answers, and each comparison made, on two questions:
-    quality, against `wants` (case -> who answered and its greedy ids: transformers on the chat prompt;
-    the first min(min_tokens, the answers' limit, the reference's length) must be equal), and runtime
+    quality, against `wants` (case -> who answered, its greedy ids and, optionally, the margins of the
+    picks the runtime may swap: transformers on the chat prompt; the first min(min_tokens, the
+    answers' limit, the reference's length) must be equal, parting only at such a pick within
+    `quality_near_tie`: `compare_ids`), and runtime
     fidelity, against `runtime` (case -> the emulator's greedy ids and top-2 margins on the same graphs;
     the whole answer, parting only at a near-tie: `compare_runtime`). Stop tokens are left out; Genie's
     ids are its answer re-tokenized, only where that is exact (`exact_ids`). The token-limit reply must
@@ -273,22 +292,30 @@ def compare(
     got_ids = {
         case: exact_ids(answers[case], encode, decode) for case in {*wants, *runtime} if case in answers
     }
-    for case, (who, want) in wants.items():
+    for case, (who, want, *margins) in wants.items():
         got = got_ids[case]
         if got is None:
             c = Comparison(case, who, 0, 0, NOT_CHECKED, "Genie's answer does not re-tokenize exactly")
         elif _lossy(want, answers[case], encode, decode):
             c = Comparison(case, who, 0, 0, NOT_CHECKED, LOSSY)
         else:
+            kept = [t for t in got if t not in stop_ids]
             c = compare_ids(
-                case, who, [t for t in got if t not in stop_ids], want, min_tokens, runs.new_tokens
+                case,
+                who,
+                kept,
+                want,
+                min_tokens,
+                runs.new_tokens,
+                margins=margins[0] if margins else None,
+                near_tie=quality_near_tie,
             )
         done.append(c)
         if c.verdict == FAILED:
             problems.append(
                 f"the real Genie's greedy ids for the {case!r} prompt differ from those of {who} at token "
-                f"{c.agreed} (the first {c.asked} must agree): Genie {answers[case][:60]!r}, {who} "
-                f"{decode(want)[:60]!r}"
+                f"{c.agreed} (the first {c.asked} must agree{'; ' + c.why if c.why else ''}): "
+                f"Genie {answers[case][:60]!r}, {who} {decode(want)[:60]!r}"
             )
     for case, (want, margins) in runtime.items():
         # Genie answered at most runs.new_tokens ids (at E2B size only a few): compare those.

@@ -40,6 +40,13 @@ from stages.runtimes.genie.emulator import GenieEmulator, Graph, HtpEngine, Reco
 # 15.5-25.6 dB. The SQNR floor sits between the two; the span check catches a few values gone wrong
 # that leave the power alone.
 MIN_SQNR_DB = 23.0
+# On real weights the compiler's rounding is as coarse as the quantization itself: Gemma 3 270M's
+# w8a16 ctx-bins put the deepest sliding layers' 8-bit V entries 11.4-14.2 dB from their compiler
+# inputs, where those inputs are 15.8-17.7 dB from the float graphs (quantize's held-out SQNR), while
+# the logits stay at 34-42 dB and pick the same tokens. So an output whose quantization is noisier
+# than the floor is held to its own quantization SQNR less this margin instead (270M's worst: 5.0 dB
+# under it). The tiny model's outputs are 36-42 dB from float: its floors stay at MIN_SQNR_DB.
+QUANTIZATION_MARGIN_DB = 10.0
 MAX_SPAN_FRACTION = 0.15
 # Greedy picks of the replayed logits rows against the CPU engine's (a runtime check, as
 # verify's OWN_GRAPHS_MIN_TOP1).
@@ -111,6 +118,15 @@ def valid_rows(name: str, x: np.ndarray, n: int, ar: int) -> np.ndarray:
     return x[:, :n]  # (1, AR, ...): hidden states, per-layer embeddings, logits
 
 
+def sqnr_floor(quantization_db: float | None) -> float:
+    """The SQNR an output must keep against its compiler input's: MIN_SQNR_DB, or less for an output
+    the quantization itself leaves noisier (its held-out SQNR against float less
+    QUANTIZATION_MARGIN_DB)."""
+    if quantization_db is None:
+        return MIN_SQNR_DB
+    return round(min(MIN_SQNR_DB, quantization_db - QUANTIZATION_MARGIN_DB), 2)
+
+
 def compare_output(graph: Graph, name: str, got: np.ndarray, want: np.ndarray) -> dict[str, Any]:
     """One output of one binary against its compiler input's: SQNR (the CPU engine's output power
     about its mean over the power of the difference, dB), the largest difference in LSB and as a
@@ -127,6 +143,7 @@ def compare_output(graph: Graph, name: str, got: np.ndarray, want: np.ndarray) -
         if noise and signal
         else (math.inf if not noise else 0.0),
         "max_lsb": float(diff.max()) if enc.is_fixed else None,
+        "max_abs": float(diff.max()) * (enc.scale if enc.is_fixed else 1.0),
         "span_fraction": round(float(diff.max()) / span, 5) if span else float(diff.max() > 0),
     }
 
@@ -139,6 +156,13 @@ class ReplayResult:
     seconds: float
     problems: list[str]
 
+    @property
+    def logits_max_abs(self) -> float:
+        """The largest difference of a replayed logit from the CPU engine's (in logits): what the
+        HTP's arithmetic moves a logit."""
+        rows = [c["logits_output"] for c in self.calls if c["logits_output"] is not None]
+        return max((r["max_abs"] for r in rows), default=0.0)
+
     def figures(self) -> dict[str, Any]:
         return {
             "what": "calls of the CPU engine's Genie run replayed through the bundle's ctx-bins on the HTP "
@@ -149,6 +173,7 @@ class ReplayResult:
             "seconds": round(self.seconds, 1),
             "thresholds": {
                 "min_sqnr_db": MIN_SQNR_DB,
+                "quantization_margin_db": QUANTIZATION_MARGIN_DB,
                 "max_span_fraction": MAX_SPAN_FRACTION,
                 "min_logits_top1": MIN_LOGITS_TOP1,
             },
@@ -156,10 +181,15 @@ class ReplayResult:
 
 
 def replay(
-    bundle_dir: Path, emulator: GenieEmulator, recorded: list[RecordedCall], budget_s: float
+    bundle_dir: Path,
+    emulator: GenieEmulator,
+    recorded: list[RecordedCall],
+    budget_s: float,
+    quantization_sqnr_db: dict[str, dict[str, float]] | None = None,
 ) -> ReplayResult:
     """Run the recorded calls through the ctx-bins on the HTP emulation (required ones always, the
-    others while budget_s lasts) and compare every output with the CPU engine's."""
+    others while budget_s lasts) and compare every output with the CPU engine's, each held to its
+    `sqnr_floor` (`quantization_sqnr_db`: quantize's held-out SQNR by graph and tensor)."""
     from stages.core.progress import tqdm
 
     htp = HtpEngine(bundle_dir, *emulator.htp_device())
@@ -185,13 +215,15 @@ def replay(
                 if graph.file not in executed:
                     executed.append(graph.file)
                 n, ar = call.step["n_process"], call.step["ar"]
+                quantized = (quantization_sqnr_db or {}).get(graph.name, {})
                 for name in graph.outputs:
                     mine, theirs = (valid_rows(name, x[name], n, ar) for x in (got, want))
-                    rows.append({"binary": graph.file, **compare_output(graph, name, mine, theirs)})
+                    row = {"binary": graph.file, **compare_output(graph, name, mine, theirs)}
+                    rows.append(row | {"min_sqnr_db": sqnr_floor(quantized.get(name))})
                     if name == LOGITS:
                         rows[-1]["top1"] = float((mine[0].argmax(-1) == theirs[0].argmax(-1)).mean())
                 bar.update()
-            worst = min(rows, key=lambda r: r["sqnr_db"])
+            worst = min(rows, key=lambda r: r["sqnr_db"] - r["min_sqnr_db"])
             logits = next((r for r in rows if "top1" in r), None)
             calls.append(
                 {
@@ -203,10 +235,10 @@ def replay(
                 }
             )
             where = f"call {call.step['index']} ({call.step['replay']}, AR-{call.step['ar']})"
-            if worst["sqnr_db"] < MIN_SQNR_DB:
+            if worst["sqnr_db"] < worst["min_sqnr_db"]:
                 problems.append(
                     f"{where}: {worst['binary']} output {worst['tensor']} is {worst['sqnr_db']} dB from its "
-                    f"compiler input's (SQNR; at least {MIN_SQNR_DB} dB)"
+                    f"compiler input's (SQNR; at least {worst['min_sqnr_db']} dB)"
                 )
             spiked = max(rows, key=lambda r: r["span_fraction"])
             if spiked["span_fraction"] > MAX_SPAN_FRACTION:
