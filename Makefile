@@ -32,7 +32,9 @@ VERIFY_MIN_TOP1 ?=
 # network); without it verify fails and says so, unless VERIFY_HELDOUT=off, which its report records.
 VERIFY_HELDOUT ?= on
 # verify runs the bundle under the real Genie (libGenie.so, x86 HTP emulation) first; VERIFY_REAL_GENIE=off
-# skips it (at E2B geometry its short query takes tens of minutes), and its report records that.
+# skips it (at E2B geometry its short query takes tens of minutes), and its report records that; =full
+# runs every case (long prompt, token limit, second query, own sampler) where verify's engine would
+# run the short query alone (E2B, Gemma 3 270M: minutes to hours; the bench's choice).
 VERIFY_REAL_GENIE ?= on
 # A snapshot folder you already have: `make download FROM=DIR` imports it instead of downloading, as
 # checkpoints/<MODEL's name>, or named after DIR when MODEL is empty.
@@ -77,6 +79,9 @@ ifeq ($(RUNNER),docker)
 else ifeq ($(RUNNER),local)
 else
   $(error RUNNER=$(RUNNER) is not allowed; allowed values: docker, local)
+endif
+ifeq ($(filter $(VERIFY_REAL_GENIE),on off full),)
+  $(error VERIFY_REAL_GENIE=$(VERIFY_REAL_GENIE) is not allowed; allowed values: on, off, full)
 endif
 
 opt = $(if $(strip $(2)),--$(1) '$(strip $(2))')
@@ -148,7 +153,8 @@ quantize_ARGS    = $(QUANT_ARGS)
 quantize_IMAGE   = $(QUANT_IMAGE)
 verify_ARGS      = $(call opt,min-prefix,$(VERIFY_MIN_PREFIX)) \
   $(call opt,min-top1,$(VERIFY_MIN_TOP1)) $(if $(filter off,$(VERIFY_HELDOUT)),--no-heldout,--heldout) \
-  $(if $(filter off,$(VERIFY_REAL_GENIE)),--no-real-genie,--real-genie)
+  $(if $(filter off,$(VERIFY_REAL_GENIE)),--no-real-genie,--real-genie) \
+  $(if $(filter full,$(VERIFY_REAL_GENIE)),--all-real-genie-cases)
 verify_QUIET     = @
 verify_AFTER     = @echo "bundle: $(ABS_WORKDIR)/genie_bundle"
 # The prompt reaches g4v69 through the environment, unexpanded: `$`, quotes and newlines stay as typed.
@@ -177,7 +183,7 @@ help: ## list the targets and variables
 	@echo "  PRESET=$(PRESET) MODEL MODEL_REVISION SOC PRECISION MAX_CONTEXT PREFILL_AR DECODE_AR"
 	@echo "  NUM_SHARDS COMPILER=local|aihub (aihub: QAI_HUB_API_TOKEN) QAIRT_VERSION PROMPT FROM=DIR (import a snapshot) RUNNER=docker|local WORKDIR=$(WORKDIR)"
 	@echo "  QUANT_ARGS (e.g. --compare-ple-policies) QUANT_IMAGE=quant|quant-rocm DOCKER_ARGS"
-	@echo "  VERIFY_ENGINE=htp|replay|cpu VERIFY_MIN_PREFIX VERIFY_MIN_TOP1 (verify's pass thresholds against transformers) VERIFY_HELDOUT=on|off VERIFY_REAL_GENIE=on|off"
+	@echo "  VERIFY_ENGINE=htp|replay|cpu VERIFY_MIN_PREFIX VERIFY_MIN_TOP1 (verify's pass thresholds against transformers) VERIFY_HELDOUT=on|off VERIFY_REAL_GENIE=on|off|full"
 	@echo "  GRAPHS=exported|quantized (make generate: the float graphs, or the bundle's quantized ones as Genie feeds them)"
 	@echo "  BASE_IMAGE=$(BASE_IMAGE) (auto, debootstrap or an image) WHEELHOUSE=$(WHEELHOUSE)"
 

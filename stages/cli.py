@@ -307,6 +307,13 @@ def _echo_bundle_limits(obj: Context) -> None:
     help="run the bundle under the real Genie first (VERIFY_REAL_GENIE=off: skip it, e.g. at E2B "
     "geometry where its query takes tens of minutes on the x86 emulation; the report records it)",
 )
+@click.option(
+    "--all-real-genie-cases",
+    is_flag=True,
+    help="every real-Genie case (the long prompt past the window, the token limit, a second query, the "
+    "own sampler) whatever the engine (VERIFY_REAL_GENIE=full; at E2B or Gemma 3 270M size each call "
+    "of the x86 emulation takes seconds to minutes)",
+)
 @click.pass_obj
 def verify(
     obj: Context,
@@ -316,6 +323,7 @@ def verify(
     min_top1: float | None,
     heldout: bool,
     real_genie: bool,
+    all_real_genie_cases: bool,
 ) -> None:
     """Check genie_bundle/ on the host: hashes, binaries vs config, the bundle under the real Genie and
     the binaries under a Genie emulator vs transformers; into verify/."""
@@ -330,6 +338,7 @@ def verify(
         min_top1=min_top1,
         heldout_check=heldout,
         real_genie=real_genie,
+        real_genie_all_cases=all_real_genie_cases,
     )
     fig = StageReport.from_dict(report).figures
     held = fig["heldout"]

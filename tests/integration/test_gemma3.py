@@ -187,6 +187,23 @@ def test_verify_holds_the_real_genie_to_the_host_and_transformers(bundle):
     assert set(verdicts.values()) == {"passed"} and len(verdicts) >= 5, verdicts
 
 
+def test_verify_real_genie_full_runs_every_case_on_the_cpu_engine(bundle):
+    """VERIFY_REAL_GENIE=full, the bench's choice for the sizes whose verify runs the short query
+    alone: every case runs and is compared, with the emulator on the ctx-bins' compiler inputs."""
+    from stages.runtimes.genie.verify import run_verify
+
+    work = bundle.parent
+    checkpoint = work / "checkpoints" / MODEL
+    short = run_verify(_cfg(), work, checkpoint, "Hi", engine="cpu")["figures"]["real_genie"]
+    assert set(short["not_run"]) == {"long", "token limit", "second query", "own sampler"}
+    real = run_verify(_cfg(), work, checkpoint, "Hi", engine="cpu", real_genie_all_cases=True)["figures"][
+        "real_genie"
+    ]
+    assert real["not_run"] == {} and set(real["statuses"]) >= {"chat", "long", "token limit", "own sampler"}
+    assert {c["case"] for c in real["comparisons"]} >= {"chat", "long", "token limit", "own sampler"}
+    assert {c["verdict"] for c in real["comparisons"]} == {"passed"}
+
+
 def test_the_real_genie_feeds_every_call_as_the_emulator_across_the_window(bundle, tmp_path):
     """Attention barely moves a random toy's tokens, so the masks are held directly: every input of
     every call (the full mask the window is taken from, the caches past the window) equals Genie's
@@ -307,19 +324,30 @@ def test_genie_cannot_reset_without_a_per_layer_lut_after_the_window_wrapped(win
     """The smallest reproduction of the reset failure on rules.swamask_path (QAIRT 2.51's
     libGenie.so): a prompt past the 8-token window, a few tokens, a reset, then any query fails;
     without the reset, or before the window wrapped, the same queries run. When a later Genie fixes
-    it, this test says so."""
+    it, this test says so. The failure is intermittent (2026-12-07: most runs fail, one in several
+    ran both queries), so it gets three tries and is skipped, saying so, when none fails."""
     from stages.runtimes.genie.real import GREEDY, Query, RealGenieError, run_dialog
 
     bundle = window_bundle
     prompt = "Return the first element of a list."  # 36 tokens with BOS
     wrapped = [Query(prompt, 8, reset_before=True), Query(prompt, 3, reset_before=True)]
-    # The failure is a negative status or, as often, the child process dying (exit -11): both count.
-    try:
-        run = run_dialog(bundle, wrapped, tmp_path / "reset.log", sampler=GREEDY)
-        assert run.statuses[0] == 0 and run.statuses[1] < 0, run.statuses
-    except RealGenieError as err:
-        assert "ended without an answer" in str(err), err
-    assert "SWAMASK" in (tmp_path / "reset.log").read_text(errors="replace")
+    failed = None
+    for attempt in range(3):
+        log = tmp_path / f"reset{attempt}.log"
+        # The failure is a negative status or, as often, the child process dying (exit -11).
+        try:
+            run = run_dialog(bundle, wrapped, log, sampler=GREEDY)
+            assert run.statuses[0] == 0, run.statuses
+            if run.statuses[1] < 0:
+                failed = log
+        except RealGenieError as err:
+            assert "ended without an answer" in str(err), err
+            failed = log
+        if failed:
+            break
+    if failed is None:
+        pytest.skip("Genie's reset defect did not show in 3 tries (intermittent, docs/facts.md §3 (l))")
+    assert "SWAMASK" in failed.read_text(errors="replace")
     kept = run_dialog(bundle, [Query(prompt, 8), Query("Thanks.", 3)], tmp_path / "kept.log", sampler=GREEDY)
     short = [Query("Hi there", 3, reset_before=True), Query("Hi there", 3, reset_before=True)]
     early = run_dialog(bundle, short, tmp_path / "early.log", sampler=GREEDY)

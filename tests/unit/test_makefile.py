@@ -111,6 +111,16 @@ def test_unknown_runner_is_refused():
     assert r.returncode != 0 and "allowed values: docker, local" in r.stderr
 
 
+def test_verify_real_genie_takes_on_off_or_full():
+    r = make("plan", "RUNNER=local", "VERIFY_REAL_GENIE=ful")
+    assert r.returncode != 0 and "allowed values: on, off, full" in r.stderr
+    for value, flags in (("off", ["--no-real-genie"]), ("full", ["--real-genie", "--all-real-genie-cases"])):
+        r = make("-n", "-W", "bundle", "verify", "RUNNER=local", "PRESET=tiny", f"VERIFY_REAL_GENIE={value}")
+        assert r.returncode == 0, r.stderr
+        line = next(x for x in r.stdout.splitlines() if " verify" in x and "g4v69" in x)
+        assert all(f in line.split() for f in flags), line
+
+
 def test_stage_chain_order():
     r = make("-n", "compile", "RUNNER=local", "WORKDIR=/tmp/g4v69-chain-test")
     assert r.returncode == 0, r.stderr

@@ -70,7 +70,7 @@ class GenieRuntime:
     ) -> dict[str, Any]:
         """options: max_new_tokens, engine (None: the config's verify_engine), min_prefix and min_top1
         (None: verify.Thresholds' defaults), heldout_check (False: VERIFY_HELDOUT=off), real_genie
-        (False: VERIFY_REAL_GENIE=off)."""
+        (False: VERIFY_REAL_GENIE=off), real_genie_all_cases (True: VERIFY_REAL_GENIE=full)."""
         from stages.model.chat import ChatError
         from stages.model.checkpoint import CheckpointError
         from stages.quant.runner import RunnerError

@@ -138,7 +138,8 @@ def swamask_path(dialog: dict) -> bool:
     §3 (l)): the sliding-window mask (`sliding_mask_problems`), and a query after GenieDialog_reset
     that follows a wrapped window (`runInference(req): setupInput failed` with two parts, `graph-exec
     failed` with one, status -1, or the process dies on a null buffer, exit -11; without the reset, or
-    with the LUT, it runs). Both are reproduced by tests/integration/test_gemma3.py."""
+    with the LUT, it runs; intermittent: some runs pass). Both are reproduced by
+    tests/integration/test_gemma3.py."""
     return LUT_SECTION["per_layer_embedding"] not in dialog
 
 

@@ -384,15 +384,17 @@ def _run_real_genie(
     tok,
     engine: str,
     max_new_tokens: int,
+    all_cases: bool = False,
 ):
     """The runtime the phone runs first: QAIRT's own libGenie.so on the ctx-bins (real_checks.py):
-    every case with the htp engine (the tiny presets), one short query with the others (E2B
-    geometry). Its logs go under WORKDIR/.g4v69/."""
+    every case with the htp engine (the tiny presets) or when `all_cases` asks (VERIFY_REAL_GENIE=full,
+    the bench), one short query with the others (E2B geometry, Gemma 3 270M). Its logs go under
+    WORKDIR/.g4v69/."""
     from stages.runtimes.genie.prompt import query_text
 
     logs = Path(workdir) / STAMP_DIR / GENIE_LOGS
     try:
-        if engine != "htp":
+        if engine != "htp" and not all_cases:
             return run_short(bundle_dir, query_text(bundle_dir, prompt), prompt_ids, SHORT_QUERY_TOKENS, logs)
         return run_cases(
             bundle_dir,
@@ -748,6 +750,7 @@ def run_verify(
     thresholds: Thresholds = Thresholds(),
     heldout_check: bool = True,
     real_genie: bool = True,
+    real_genie_all_cases: bool = False,
 ) -> dict[str, Any]:
     """The whole stage; returns its report. A broken bundle, or one below the thresholds, raises
     VerifyError. engine: htp, replay or cpu (None: the config's verify_engine). heldout_check=False
@@ -776,7 +779,19 @@ def run_verify(
     max_new_tokens = max(1, min(max_new_tokens, room))
     real_started = time.perf_counter()
     real = (
-        _run_real_genie(cfg, geo, genie, bundle_dir, workdir, prompt, prompt_ids, tok, engine, max_new_tokens)
+        _run_real_genie(
+            cfg,
+            geo,
+            genie,
+            bundle_dir,
+            workdir,
+            prompt,
+            prompt_ids,
+            tok,
+            engine,
+            max_new_tokens,
+            real_genie_all_cases,
+        )
         if real_genie
         else None
     )
