@@ -354,19 +354,21 @@ def verify(
                 click.echo(f"  real Genie, {case}: ran, status {status}, an answer (no reference to compare)")
         for case, why in fig["real_genie"].get("not_run", {}).items():
             click.echo(f"  real Genie, {case}: not run ({why})")
+    limits, own = fig["thresholds"], fig["bundle_vs_host_runner_logits"]["top1_agreement"]
     click.echo(f"bundle (Genie emulator, {fig['engine']['name']}): {fig['bundle_text']!r}")
     click.echo(f"transformers (float):          {fig['transformers_text']!r}")
     click.echo(
         f"{obj.workdir / 'verify'}: {fig['bundle']} passes its checks; greedy tokens match transformers for "
         f"{fig['matching_prefix_tokens']} of {len(fig['transformers_tokens'])}, top-1 agreement "
         f"{fig['top1_agreement']:.3f}"
+        + f" (floor {limits['min_top1_agreement_with_transformers']})"
         + (
-            f", held-out {held['top1_agreement']:.3f}"
+            f", held-out {held['top1_agreement']:.3f} (floor {limits['min_top1_agreement_heldout']} over "
+            f"{held['predictions']} predictions)"
             if held["ran"]
             else f", held-out text not checked ({held['switched_off_by']})"
         )
-        + f" (floor {fig['thresholds']['min_top1_agreement_with_transformers']}); with its own quantized "
-        f"graphs on the host {fig['bundle_vs_host_runner_logits']['top1_agreement']:.3f}"
+        + f"; with its own quantized graphs on the host {own:.3f}"
     )
     if "seconds" in fig:
         click.echo("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in fig["seconds"].items()))

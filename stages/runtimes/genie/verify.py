@@ -710,6 +710,9 @@ def _figures(
             },
             "near_tie_logits": near_tie_bound(cmp, replayed),
             "min_top1_agreement_with_transformers": thresholds.top1_with_transformers(cfg),
+            "min_top1_agreement_heldout": heldout_floor(
+                thresholds.top1_with_transformers(cfg), cmp.heldout.get("predictions", 0)
+            ),
             "with_transformers_from": thresholds.top1_source(cfg),
             "min_top1_agreement_with_own_graphs": OWN_GRAPHS_MIN_TOP1,
         },
