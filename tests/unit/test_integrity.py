@@ -395,6 +395,9 @@ def test_the_held_out_floor_gives_way_by_two_standard_errors_of_its_sample():
     g3 = load_config("gemma3-270m")
     assert heldout_floor(0.81, 64) == 0.712 and heldout_floor(0.81, 0) == 0.81
     assert Thresholds().shortfalls(g3, _measured(top1_heldout=0.766, heldout_predictions=64)) == []
+    mine = Thresholds.with_overrides(min_top1=0.81)
+    (line,) = mine.shortfalls(g3, _measured(top1_heldout=0.766, heldout_predictions=64))
+    assert line.endswith("below 0.81 (VERIFY_MIN_TOP1)")
     (line,) = Thresholds().shortfalls(g3, _measured(top1_heldout=0.6, heldout_predictions=64))
     assert line.endswith(
         "below 0.712 (min_top1_agreement_w8 0.86 less 0.05, less 2 standard errors over 64 predictions)"

@@ -266,7 +266,8 @@ class Thresholds:
                 f"{need_prefix - measured['matching_prefix']} short of {need_prefix} (VERIFY_MIN_PREFIX)"
             )
         floor, source = self.top1_with_transformers(cfg), self.top1_source(cfg)
-        predictions = measured.get("heldout_predictions", 0)
+        # A floor the user set (VERIFY_MIN_TOP1) is taken as given; only the preset's gives way.
+        predictions = measured.get("heldout_predictions", 0) if self.min_top1 is None else 0
         heldout_source = source + (
             f", less {HELDOUT_STANDARD_ERRORS:g} standard errors over {predictions} predictions"
             if predictions
@@ -711,7 +712,8 @@ def _figures(
             "near_tie_logits": near_tie_bound(cmp, replayed),
             "min_top1_agreement_with_transformers": thresholds.top1_with_transformers(cfg),
             "min_top1_agreement_heldout": heldout_floor(
-                thresholds.top1_with_transformers(cfg), cmp.heldout.get("predictions", 0)
+                thresholds.top1_with_transformers(cfg),
+                cmp.heldout.get("predictions", 0) if thresholds.min_top1 is None else 0,
             ),
             "with_transformers_from": thresholds.top1_source(cfg),
             "min_top1_agreement_with_own_graphs": OWN_GRAPHS_MIN_TOP1,
