@@ -169,7 +169,7 @@ endif
 export G4V69_PROGRESS
 
 .PHONY: help setup expected-time images wheelhouse base-image base-auto lock $(STAGES) \
-  push run generate demo bench bench-quality bench-calibration plan doctor image-tag test test-unit test-container lint docs clean venv g4v69 FORCE \
+  push run generate demo bench bench-270m bench-quality bench-calibration plan doctor image-tag test test-unit test-container lint docs clean venv g4v69 FORCE \
   $(addprefix image-,$(IMAGES))
 
 help: ## list the targets and variables
@@ -251,6 +251,16 @@ bench: | $(call RUNNER_DEP,quant) ## E2B-size bench: every stage to verify, then
 	  WORKDIR='$(BENCH_WORKDIR)' $(BENCH_VERIFY)
 	@$(call g4v69,tools) --model $(BENCH_MODEL) --workdir '$(BENCH_WORKDIR)' bench-report \
 	  --output '$(BENCH_RESULTS)' --command '$(strip make bench BENCH_MODEL=$(BENCH_MODEL) $(BENCH_CALIBRATION))'
+
+# Real weights under the real Genie: Gemma 3 270M's preset built and verified with every real-Genie
+# case (VERIFY_REAL_GENIE=full: the chat prompt, past and across the 512-token window, the token limit,
+# a second query, its own sampler), each answer at verify's slow-size token count, the own sampler
+# capped there (about 25 s a call on the x86 emulation here, so a full context would take hours).
+BENCH_270M_WORKDIR ?= $(BENCH_WORKDIR)/gemma3-270m
+bench-270m: | $(call RUNNER_DEP,quant) ## Gemma 3 270M: bundle, verify with every real-Genie case, then ci/bench-results/<date>-gemma3-270m-<machine>.{json,md}
+	$(MAKE) --no-print-directory verify PRESET=gemma3-270m WORKDIR='$(BENCH_270M_WORKDIR)' VERIFY_REAL_GENIE=full
+	@$(call g4v69,tools) --preset gemma3-270m --workdir '$(BENCH_270M_WORKDIR)' bench-report \
+	  --name gemma3-270m --output '$(BENCH_RESULTS)' --command 'make bench-270m'
 
 # In the export image: the bench downloads and exports the tiny models (torch, transformers) as well as
 # quantizing them; then the table on Gemma 3 270M's real weights (about an hour on 2 CPUs: rows past the

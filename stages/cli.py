@@ -377,15 +377,17 @@ def verify(
 @main.command(name="bench-report")
 @click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True)
 @click.option("--command", "command_line", default="make bench", help="the command to record")
+@click.option("--name", default="", help="a word for the file name, beside the date (e.g. the preset)")
 @click.pass_obj
-def bench_report(obj: Context, output: Path, command_line: str) -> None:
-    """Collect the stage reports of a bench run under WORKDIR into OUTPUT/<date>-<machine>.{json,md}."""
+def bench_report(obj: Context, output: Path, command_line: str, name: str) -> None:
+    """Collect the stage reports of a bench run under WORKDIR into
+    OUTPUT/<date>[-<name>]-<machine>.{json,md}."""
     from stages.planning.fitting import plan_config
     from stages.tools.bench import collect, write_results
 
     geo = resolve_geometry(obj.config.model, obj.checkpoint_dir())
     plan = {"config": obj.config.to_dict(), **plan_config(geo, obj.config).to_dict()} if geo else None
-    path, md = write_results(collect(obj.config, obj.workdir, plan), output, command_line)
+    path, md = write_results(collect(obj.config, obj.workdir, plan), output, command_line, name)
     click.echo(md.read_text())
     click.echo(f"written: {path}, {md}")
 

@@ -198,21 +198,33 @@ def _verify_markdown(verified: dict[str, Any] | None) -> list[str]:
     lines.append("")
     real = verified.get("real_genie")
     if real:
-        queries = ", ".join(
-            f"{case} {t:.0f} s (status {real['statuses'][case]})" for case, t in real["query_s"].items()
-        )
-        compared = "; ".join(
-            f"{c['case']} vs {c['against']}: {c['verdict']}"
-            + (f" ({c['why']})" if c.get("why") else f" ({c['agreed']} of {c['asked']} ids)")
-            for c in real.get("comparisons") or []
-        )
-        lines += [
-            f"The real Genie (libGenie.so, x86 HTP emulation): loaded in {real['create_s']:.1f} s; "
-            f"{queries}; peak RSS {real['peak_rss_bytes'] / GIB:.2f} GiB. Compared: "
-            f"{compared or 'nothing (older report)'}.",
-            "",
-        ]
+        lines += _real_genie_markdown(real)
     return lines
+
+
+def _real_genie_markdown(real: dict[str, Any]) -> list[str]:
+    """The real Genie's cases: each query's time, status and answer, then every comparison made."""
+    lines = [
+        f"The real Genie (libGenie.so, x86 HTP emulation): loaded in {real['create_s']:.1f} s; peak RSS "
+        f"{real['peak_rss_bytes'] / GIB:.2f} GiB.",
+        "",
+        "| case | query | status | answer |",
+        "|---|---|---|---|",
+    ]
+    for case, t in real["query_s"].items():
+        answer = real.get("answers", {}).get(case, "")
+        shown = answer if len(answer) <= 60 else answer[:57] + "..."
+        lines.append(
+            f"| {case} | {t:.0f} s | {real['statuses'][case]} | {json.dumps(shown, ensure_ascii=False)} |"
+        )
+    lines += ["", "| compared | against | verdict | ids | why |", "|---|---|---|---|---|"]
+    for c in real.get("comparisons") or []:
+        why = c.get("why", "").replace("|", "/")
+        lines.append(
+            f"| {c['case']} | {c['against']} | {c['verdict']} | {c['agreed']} of {c['asked']} | {why} |"
+        )
+    lines += [f"| {case} | (not run) | | | {why} |" for case, why in (real.get("not_run") or {}).items()]
+    return [*lines, ""]
 
 
 def _plan_markdown(plan: dict[str, Any] | None) -> list[str]:
@@ -286,10 +298,10 @@ def write_bench_files(output: Path, kind: str, command: str, record: dict[str, A
     return stem
 
 
-def write_results(result: dict[str, Any], out_dir: Path, command: str) -> tuple[Path, Path]:
+def write_results(result: dict[str, Any], out_dir: Path, command: str, name: str = "") -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     m = result["machine"]
-    stem = f"{result['date']}-{m['cpus']}cpu-{round(m['memory_bytes'] / GIB)}gib"
+    stem = f"{result['date']}{f'-{name}' if name else ''}-{m['cpus']}cpu-{round(m['memory_bytes'] / GIB)}gib"
     path = out_dir / f"{stem}.json"
     path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     md = out_dir / f"{stem}.md"

@@ -189,19 +189,30 @@ def test_verify_holds_the_real_genie_to_the_host_and_transformers(bundle):
 
 def test_verify_real_genie_full_runs_every_case_on_the_cpu_engine(bundle):
     """VERIFY_REAL_GENIE=full, the bench's choice for the sizes whose verify runs the short query
-    alone: every case runs and is compared, with the emulator on the ctx-bins' compiler inputs."""
-    from stages.runtimes.genie.verify import run_verify
+    alone: every case runs and is compared, with the emulator on the ctx-bins' compiler inputs, at
+    the slow sizes' token count (the own sampler capped there, and saying so). The short query's ids
+    are read from Genie's own dumps and equal its text's."""
+    from stages.model.chat import ChatTokenizer
+    from stages.runtimes.genie.verify import SLOW_QUERY_TOKENS, run_verify
 
     work = bundle.parent
     checkpoint = work / "checkpoints" / MODEL
     short = run_verify(_cfg(), work, checkpoint, "Hi", engine="cpu")["figures"]["real_genie"]
-    assert set(short["not_run"]) == {"long", "token limit", "second query", "own sampler"}
+    assert set(short["not_run"]) == {"long", "crossing", "token limit", "second query", "own sampler"}
+    assert short["dumps_unread"] == {} and len(short["ids_from_dumps"]["chat"]) == SLOW_QUERY_TOKENS
+    tok = ChatTokenizer(work / "genie_bundle")
+    assert tok.decode(short["ids_from_dumps"]["chat"]) == short["answers"]["chat"]
+    assert {(c["case"], c["verdict"], c["asked"]) for c in short["comparisons"]} >= {
+        ("chat", "passed", SLOW_QUERY_TOKENS)
+    }
     real = run_verify(_cfg(), work, checkpoint, "Hi", engine="cpu", real_genie_all_cases=True)["figures"][
         "real_genie"
     ]
-    assert real["not_run"] == {} and set(real["statuses"]) >= {"chat", "long", "token limit", "own sampler"}
-    assert {c["case"] for c in real["comparisons"]} >= {"chat", "long", "token limit", "own sampler"}
+    cases = {"chat", "long", "crossing", "token limit", "own sampler"}
+    assert real["not_run"] == {} and set(real["statuses"]) >= cases
+    assert {c["case"] for c in real["comparisons"]} >= cases
     assert {c["verdict"] for c in real["comparisons"]} == {"passed"}
+    assert real["own_sampler_cap"] == SLOW_QUERY_TOKENS
 
 
 def test_the_real_genie_feeds_every_call_as_the_emulator_across_the_window(bundle, tmp_path):

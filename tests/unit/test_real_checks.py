@@ -96,7 +96,7 @@ def test_the_short_run_names_every_case_it_does_not_run(monkeypatch, tmp_path):
     runs = real_checks.run_short(tmp_path, "hi", [2, 3], 2, tmp_path)
     fig = runs.figures()
     assert set(fig["statuses"]) == {"chat"}
-    assert set(fig["not_run"]) == {"long", "token limit", "second query", "own sampler"}
+    assert set(fig["not_run"]) == {"long", "crossing", "token limit", "second query", "own sampler"}
     assert all("716 s for 2 tokens" in why for why in fig["not_run"].values())
 
 
@@ -106,6 +106,28 @@ def test_the_sampled_reply_is_held_to_ending_by_itself():
     assert _own_sampler_end(0, "abc", encode).verdict == PASSED
     assert "full context (status 4)" in _own_sampler_end(4, "abc", encode).why
     assert _own_sampler_end(0, "", encode).verdict == FAILED
+    # Capped (each call too slow for a full context): it says its end was not reached.
+    capped = _own_sampler_end(0, "abcd", encode, cap=4)
+    assert (
+        capped.verdict == PASSED and capped.against == "its cap of 4 tokens" and "not reached" in capped.why
+    )
+
+
+def test_the_crossing_prompt_ends_before_the_window_and_its_answer_crosses_it():
+    """Prompt positions 0..L-1, the answer's first new_tokens - 1 ids fed at L, L+1, ...: some decode
+    step feeds a position at or past the window, none of the prompt's does, and its text re-tokenizes
+    to exactly its ids."""
+    from stages.runtimes.genie.real_checks import crossing_prompt_ids
+
+    for window, new_tokens in ((8, 32), (8, 4), (20, 4), (20, 3)):
+        text, ids = crossing_prompt_ids(encode, decode, 0, "the cat sat", window, new_tokens)
+        assert ids[0] == 0 and encode(text) == ids[1:]
+        assert len(ids) <= window - 1 and len(ids) + new_tokens - 2 >= window, (window, new_tokens)
+    # Two new tokens feed one position, the prompt's next: it cannot cross; no window, nothing to cross.
+    assert crossing_prompt_ids(encode, decode, 0, "the cat sat", 20, 2) is None
+    assert crossing_prompt_ids(encode, decode, 0, "the cat sat", 0, 8) is None
+    # No cut re-tokenizes exactly (its text gains a token): left out.
+    assert crossing_prompt_ids(encode, lambda ids: decode(ids) + "a", 0, "the cat", 20, 4) is None
 
 
 def test_the_runtime_comparison_takes_the_whole_answer_and_allows_only_a_near_tie():

@@ -1,29 +1,36 @@
 """Verify's first check: the bundle under the real Genie (real.py), on the cases a phone meets.
 
 - `chat`: the prompt through the bundle's chat template, exactly as `make run` sends it, greedy;
-- `long`: the raw prompt repeated past one prefill chunk and the sliding window, greedy (its answer
-  crosses the window when the reply is longer than the window);
+- `long`: the raw prompt repeated past one prefill chunk and the sliding window, greedy;
+- `crossing`: the raw prompt cut to end one token short of the sliding window, greedy, so that the
+  answer's decode steps cross it (left out, and named in `not_run`, where no cut re-tokenizes exactly);
 - `token limit`: GenieDialog_setMaxNumTokens stops the reply (no error status, no more tokens); the
   same greedy prompt as `chat`, so its ids must be the chat answer's first ids;
 - `second query`: a short second chat turn in the same dialog, after the token-limit reply (left out,
   and absent from the report, when the two turns do not fit the context);
 - `own sampler`: the bundle's own sampler config with no token limit, so the reply ends at EOS or at
-  a full context: a clean stop (status >= 0: Genie's context warning is not an error).
+  a full context: a clean stop (status >= 0: Genie's context warning is not an error). Where each
+  call takes many seconds (the x86 emulation of a real-size bundle), a full context would take hours:
+  the reply is then capped, and the comparison says its end was not reached.
 
 The greedy answers are compared afterwards (compare()) in token ids, never as text: the chat answer
-with transformers' greedy ids, the long one with the emulator's on the same binaries. Genie answers
-in text (GenieDialog_query); its ids are the text re-tokenized, used only where that is exact (the ids
-decode to the very text). GenieDialog_tokenQuery, which answers in ids, cannot be used: QAIRT 2.51's
+with transformers' greedy ids, the long ones with the emulator's on the same binaries. Genie answers
+in text (GenieDialog_query); its ids are read from its own tensor dumps where verify asks for them
+(run_short: at E2B geometry random weights answer in tokens whose text is empty; dumps.py), else
+the text re-tokenized, used only where that is exact (the ids decode to the very text).
+GenieDialog_tokenQuery, which answers in ids, cannot be used: QAIRT 2.51's
 x86 libGenie.so leaves Gemma 4's per_layer_inputs unfilled on that path (docs/facts.md §3 (k)). A
 comparison with nothing to compare (no tokens asked, an empty reference, an answer that does not
 re-tokenize exactly) is reported as not checked, never as passed."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.runtimes.genie.dumps import DumpError, bundle_greedy_ids
 from stages.runtimes.genie.real import GREEDY, DialogRun, Query, RealGenieError, run_dialog
 
 # Tokens of the short reply the token-limit case asks for.
@@ -43,6 +50,9 @@ class RealRuns:
     new_tokens: int  # the greedy answers' token limit
     comparisons: list[Comparison] = field(default_factory=list)  # compare()'s, once made
     not_run: dict[str, str] = field(default_factory=dict)  # case -> why it did not run
+    own_sampler_cap: int | None = None  # the sampled reply's token cap (None: none, it ends by itself)
+    dumped_ids: dict[str, list[int]] = field(default_factory=dict)  # case -> ids read from Genie's dumps
+    dumps_unread: dict[str, str] = field(default_factory=dict)  # case -> why its dumps could not be read
 
     def per_case(self, what: str) -> dict[str, Any]:
         return {n: v for names, run in self.runs for n, v in zip(names, getattr(run, what), strict=True)}
@@ -63,6 +73,10 @@ class RealRuns:
             "peak_rss_bytes": max(run.peak_rss_bytes for _, run in self.runs),
             "comparisons": [c.to_dict() for c in self.comparisons],
             "not_run": self.not_run,
+            "own_sampler_cap": self.own_sampler_cap,
+            # Where each compared case's ids come from: Genie's dumps, else its text re-tokenized.
+            "ids_from_dumps": self.dumped_ids,
+            "dumps_unread": self.dumps_unread,
         }
 
 
@@ -72,6 +86,25 @@ def long_prompt_ids(encode, bos: int, text: str, over: int) -> tuple[str, list[i
     while len(encode(words)) + 1 <= over:
         words = f"{words} {text}"
     return words, [bos, *encode(words)]
+
+
+def crossing_prompt_ids(
+    encode, decode, bos: int, text: str, window: int, new_tokens: int
+) -> tuple[str, list[int]] | None:
+    """`text` repeated and cut so that Genie's query (bos, then the text) ends before the sliding window
+    and the greedy answer's decode steps cross it: the query's ids fill positions 0..L-1 and the
+    answer's first new_tokens - 1 ids are fed at L, L+1, ..., so L <= window - 1 and
+    L + new_tokens - 2 >= window. The longest such cut whose text re-tokenizes to exactly its ids (what
+    Genie reads), or None when none does (or the answer is too short to cross: under 3 tokens)."""
+    if window < 2 or new_tokens < 3:
+        return None
+    words, _ = long_prompt_ids(encode, bos, text, window)
+    ids = encode(words)
+    for length in range(window - 1, max(2, window - new_tokens + 2) - 1, -1):
+        cut = decode(ids[: length - 1])
+        if cut and encode(cut) == ids[: length - 1]:
+            return cut, [bos, *ids[: length - 1]]
+    return None
 
 
 def _checked(names: tuple[str, ...], run: DialogRun) -> tuple[tuple[str, ...], DialogRun]:
@@ -98,46 +131,83 @@ def run_cases(
     follow_up: str,
     chat_ids: list[int],
     encode,
+    decode,
     bos: int,
+    window: int,
     past_window: int,
     max_new_tokens: int,
     context_size: int,
     logs: Path,
+    own_sampler_cap: int | None = None,
 ) -> RealRuns:
-    """Every case, in two dialogs (greedy, then the bundle's own sampler)."""
+    """Every case, in two dialogs (greedy, then the bundle's own sampler). `own_sampler_cap` caps the
+    sampled reply (None: no cap, so it runs to EOS or a full context)."""
     long_text, long_ids = long_prompt_ids(encode, bos, raw_prompt, past_window)
+    crossing = crossing_prompt_ids(encode, decode, bos, raw_prompt, window, max_new_tokens)
     # The second turn follows the token-limit reply in the same dialog, when both turns fit the context.
     second = len(chat_ids) + LIMIT_TOKENS + len(encode(follow_up)) + LIMIT_TOKENS < context_size
     greedy = [
         Query(chat_text, max_new_tokens, reset_before=True),
         Query(long_text, max_new_tokens, reset_before=True),
+        *([Query(crossing[0], max_new_tokens, reset_before=True)] if crossing else []),
         Query(chat_text, LIMIT_TOKENS, reset_before=True),
         *([Query(follow_up, LIMIT_TOKENS)] if second else []),
     ]
-    names = ("chat", "long", "token limit", *(("second query",) if second else ()))
-    own = [Query(chat_text, context_size, reset_before=True)]
+    names = ("chat", "long", *(("crossing",) if crossing else ()), "token limit")
+    names += ("second query",) if second else ()
+    own = [Query(chat_text, own_sampler_cap or context_size, reset_before=True)]
     runs = [
         _checked(names, run_dialog(bundle_dir, greedy, logs / "genie-greedy.log", sampler=GREEDY)),
         _checked(("own sampler",), run_dialog(bundle_dir, own, logs / "genie-sampled.log")),
     ]
-    why = f"chat prompt, {LIMIT_TOKENS}-token reply and follow-up overfill context.size {context_size}"
-    not_run = {} if second else {"second query": why}
-    cases = [("chat", chat_ids), ("long", long_ids)]
-    return RealRuns(runs, cases, chat_text, max_new_tokens, not_run=not_run)
+    not_run = {}
+    if not second:
+        not_run["second query"] = (
+            f"chat prompt, {LIMIT_TOKENS}-token reply and follow-up overfill context.size {context_size}"
+        )
+    if not crossing:
+        not_run["crossing"] = (
+            f"no cut of the prompt ending within {max_new_tokens - 1} tokens of the {window}-token "
+            "sliding window re-tokenizes exactly"
+            if window >= 2 and max_new_tokens >= 3
+            else f"no sliding window to cross in {max_new_tokens} tokens"
+        )
+    cases = [("chat", chat_ids), ("long", long_ids), *([("crossing", crossing[1])] if crossing else [])]
+    return RealRuns(runs, cases, chat_text, max_new_tokens, not_run=not_run, own_sampler_cap=own_sampler_cap)
 
 
 def run_short(bundle_dir: Path, chat_text: str, chat_ids: list[int], new_tokens: int, logs: Path) -> RealRuns:
     """The chat prompt alone, greedy, a few tokens: what fits verify's budget at E2B geometry, where each
-    call of the x86 HTP emulation takes minutes. It loads the bundle and times a query."""
+    call of the x86 HTP emulation takes minutes. Its ids are read from Genie's own dumps (dumps.py):
+    random weights answer in tokens whose text is empty."""
     query = [Query(chat_text, new_tokens, reset_before=True)]
-    run = run_dialog(bundle_dir, query, logs / "genie-greedy.log", sampler=GREEDY, timeout_s=SHORT_TIMEOUT_S)
-    run = _checked(("chat",), run)
+    dumps = logs / "genie-dumps"
+    shutil.rmtree(dumps, ignore_errors=True)
+    try:
+        run = run_dialog(
+            bundle_dir, query, logs / "genie-greedy.log", GREEDY, SHORT_TIMEOUT_S, dump_dir=dumps
+        )
+        run = _checked(("chat",), run)
+        try:
+            dumped, unread = {"chat": bundle_greedy_ids(dumps, run[1].log, bundle_dir)}, {}
+        except DumpError as e:
+            dumped, unread = {}, {"chat": str(e)}
+    finally:
+        shutil.rmtree(dumps, ignore_errors=True)
     why = (
         f"at this bundle's size the x86 HTP emulation takes minutes a call (the chat query: "
         f"{run[1].query_s[0]:.0f} s for {new_tokens} tokens), so verify runs the chat prompt alone"
     )
-    skipped = {case: why for case in ("long", "token limit", "second query", "own sampler")}
-    return RealRuns([run], [("chat", chat_ids)], chat_text, new_tokens, not_run=skipped)
+    skipped = {case: why for case in ("long", "crossing", "token limit", "second query", "own sampler")}
+    return RealRuns(
+        [run],
+        [("chat", chat_ids)],
+        chat_text,
+        new_tokens,
+        not_run=skipped,
+        dumped_ids=dumped,
+        dumps_unread=unread,
+    )
 
 
 PASSED, FAILED, NOT_CHECKED = "passed", "failed", "not checked"
@@ -290,13 +360,15 @@ def compare(
     answers = runs.per_case("answers")
     runtime = runtime or {}
     got_ids = {
-        case: exact_ids(answers[case], encode, decode) for case in {*wants, *runtime} if case in answers
+        case: runs.dumped_ids[case] if case in runs.dumped_ids else exact_ids(answers[case], encode, decode)
+        for case in {*wants, *runtime}
+        if case in answers
     }
     for case, (who, want, *margins) in wants.items():
         got = got_ids[case]
         if got is None:
             c = Comparison(case, who, 0, 0, NOT_CHECKED, "Genie's answer does not re-tokenize exactly")
-        elif _lossy(want, answers[case], encode, decode):
+        elif case not in runs.dumped_ids and _lossy(want, answers[case], encode, decode):
             c = Comparison(case, who, 0, 0, NOT_CHECKED, LOSSY)
         else:
             kept = [t for t in got if t not in stop_ids]
@@ -325,7 +397,7 @@ def compare(
             c = Comparison(
                 case, RUNTIME_REFERENCE, 0, 0, NOT_CHECKED, "Genie's answer does not re-tokenize exactly"
             )
-        elif _lossy(want, answers[case], encode, decode):
+        elif case not in runs.dumped_ids and _lossy(want, answers[case], encode, decode):
             c = Comparison(case, RUNTIME_REFERENCE, 0, 0, NOT_CHECKED, LOSSY)
         else:
             c = compare_runtime(case, [t for t in got if t not in stop_ids], want, margins, near_tie)
@@ -344,17 +416,27 @@ def compare(
             problems.append(f"the real Genie gave no answer to the {case!r} query")
     if "own sampler" in answers:
         status = runs.per_case("statuses")["own sampler"]
-        done.append(_own_sampler_end(status, answers["own sampler"], encode))
+        done.append(_own_sampler_end(status, answers["own sampler"], encode, runs.own_sampler_cap))
     return problems, done
 
 
-def _own_sampler_end(status: int, answer: str, encode) -> Comparison:
+def _own_sampler_end(status: int, answer: str, encode, cap: int | None = None) -> Comparison:
     """The sampled reply, with no token limit, must end by itself: at an EOS token (status 0) or at a
     full context (Genie's clean stop, a positive warning status). Its tokens are sampled, so nothing is
-    compared with a reference; how it ended is what is checked."""
+    compared with a reference; how it ended is what is checked. Under a `cap` (each call too slow to
+    reach a full context), only that it answered and stopped cleanly is: the verdict says so."""
     n = len(encode(answer))
     if not answer:
         return Comparison("own sampler", "its own end", 1, 0, FAILED, "no answer")
+    if cap is not None:
+        return Comparison(
+            "own sampler",
+            f"its cap of {cap} tokens",
+            1,
+            1,
+            PASSED,
+            f"{n} ids, status {status}; capped, so its end at EOS or a full context was not reached",
+        )
     how = "an EOS token (status 0)" if status == 0 else f"a full context (status {status})"
     return Comparison("own sampler", "its own end", 1, 1, PASSED, f"{n} ids, ended by {how}")
 

@@ -58,8 +58,11 @@ from stages.runtimes.genie.rules import LUT_SECTION
 FOLLOW_UP = "Thanks."
 # The real Genie's logs, beside the stamps (`make clean` removes them too).
 GENIE_LOGS = "genie-logs"
-# Greedy tokens of the one real-Genie query verify runs at E2B geometry (the replay and cpu engines).
-SHORT_QUERY_TOKENS = 2
+# Greedy tokens of each real-Genie answer where every call of the x86 emulation is slow (the replay
+# and cpu engines: E2B geometry, Gemma 3 270M). Four: the second and third decode steps read cache
+# entries an earlier decode step wrote, so a wrong KV update or mask shows in the ids (two tokens showed
+# only the prefill's). At E2B a call takes about 4-6 minutes here (bench 2026-12-06: 716 s for two).
+SLOW_QUERY_TOKENS = 4
 
 
 class VerifyError(RuntimeFailure):
@@ -389,14 +392,16 @@ def _run_real_genie(
 ):
     """The runtime the phone runs first: QAIRT's own libGenie.so on the ctx-bins (real_checks.py):
     every case with the htp engine (the tiny presets) or when `all_cases` asks (VERIFY_REAL_GENIE=full,
-    the bench), one short query with the others (E2B geometry, Gemma 3 270M). Its logs go under
-    WORKDIR/.g4v69/."""
+    the bench), the chat prompt alone with the others (E2B geometry, Gemma 3 270M). With those, where
+    each call of the x86 emulation takes seconds to minutes, the greedy answers hold SLOW_QUERY_TOKENS
+    and the own sampler's reply is capped there too. Its logs go under WORKDIR/.g4v69/."""
     from stages.runtimes.genie.prompt import query_text
 
     logs = Path(workdir) / STAMP_DIR / GENIE_LOGS
+    slow = engine != "htp"
     try:
-        if engine != "htp" and not all_cases:
-            return run_short(bundle_dir, query_text(bundle_dir, prompt), prompt_ids, SHORT_QUERY_TOKENS, logs)
+        if slow and not all_cases:
+            return run_short(bundle_dir, query_text(bundle_dir, prompt), prompt_ids, SLOW_QUERY_TOKENS, logs)
         return run_cases(
             bundle_dir,
             prompt,
@@ -404,11 +409,14 @@ def _run_real_genie(
             query_text(bundle_dir, FOLLOW_UP),
             prompt_ids,
             tok.encode,
+            tok.decode,
             int(genie["context"]["bos-token"]),
+            geo.sliding_window,
             max(cfg.prefill_ar, geo.sliding_window),
-            max_new_tokens,
+            min(max_new_tokens, SLOW_QUERY_TOKENS) if slow else max_new_tokens,
             int(genie["context"]["size"]),
             logs,
+            own_sampler_cap=SLOW_QUERY_TOKENS if slow else None,
         )
     except RealGenieError as e:
         raise VerifyError(f"{bundle_dir}: {e}") from None
