@@ -19,6 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from stages.model.contract import INPUTS_EMBEDS as EMBEDS
+from stages.model.contract import LOGITS
+
 # QNN data types of the dumped tensors (the spec's `dtype`) as numpy reads their raw bytes.
 _DTYPES = {
     "QNN_DATATYPE_UFIXED_POINT_8": np.uint8,
@@ -27,7 +30,6 @@ _DTYPES = {
     "QNN_DATATYPE_FLOAT_16": np.float16,
 }
 _PROMPT_IDS = re.compile(r"embedding-tokens: \[([0-9, ]*)\]")
-EMBEDS, LOGITS = "inputs_embeds", "logits"
 
 
 class DumpError(RuntimeError):
