@@ -181,15 +181,32 @@ def _weights(
             entry["block_scales"], bad = _block_scale_problems(scales, inits)
             problems += [f"{name}: {p}" for p in bad]
         if ok and kept is not None:
-            from onnx import numpy_helper
-
-            stored = numpy_helper.to_array(inits[dq.input[0]]).astype(np.int8)
             entry["checkpoint_grid"] = "kept"
-            if not np.array_equal(stored, kept.q):
-                problems.append(
-                    f"{name}: {int((stored != kept.q).sum())} integers differ from its checkpoint's grid"
-                )
+            entry["checkpoint_integers"], bad = _checkpoint_integers(inits[dq.input[0]], kept.checkpoint_q)
+            problems += [f"{name}: {p}" for p in bad]
     return weights
+
+
+def _checkpoint_integers(stored_init, checkpoint: np.ndarray) -> tuple[dict[str, int], list[str]]:
+    """A kept weight's stored integers against its checkpoint's own (in, out), not against what the
+    rounder wrote: equal in every output channel, except one holding a +8 that int4 cannot store (a
+    Q4_0 group under a negative scale), whose integers may move (GPTQ carries the clipped step's
+    error); those are counted."""
+    from onnx import numpy_helper
+
+    stored = numpy_helper.to_array(stored_init).astype(np.int16)
+    if stored.shape != checkpoint.shape:
+        return {}, [f"stored as {stored.shape}, its checkpoint's integers are {checkpoint.shape}"]
+    clipped = (checkpoint > 7).any(axis=0)
+    apart = stored != checkpoint
+    figures = {
+        "equal": int((~apart).sum()),
+        "moved_in_clipped_channels": int(apart[:, clipped].sum()),
+        "clipped_channels": int(clipped.sum()),
+    }
+    wrong = int(apart[:, ~clipped].sum())
+    bad = [f"{wrong} integers differ from its checkpoint's in channels with nothing clipped"] if wrong else []
+    return figures, bad
 
 
 def _ple_tensors(

@@ -253,9 +253,10 @@ def lpbq_from_group_scales(scales: np.ndarray, energy: np.ndarray) -> tuple[np.n
 
 def kept_grid(
     grid: Grid, scheme, rows: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float, int] | str:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, float, np.ndarray] | str:
     """A checkpoint's grid in the weight's 4-bit scheme, keeping its integers: (q (in, out), scale per
-    column, block scales or None, relative scale residual, integers clipped), or why it cannot be kept.
+    column, block scales or None, relative scale residual, the checkpoint's integers (in, out) under
+    those positive scales, before clipping), or why it cannot be kept.
     int4 per channel takes a per-channel grid as it is; LPBQ takes any grid at its group size (a
     per-channel one at the scheme's block), its group scales re-expressed as channel scale x 4-bit
     integer. Our int4 weights carry positive scales, so a group under a negative scale (Q4_0's, where
@@ -274,15 +275,15 @@ def kept_grid(
     out = grid.q.shape[0]
     sign = np.where(grid.scale < 0, -1, 1).astype(np.int16)
     signed = grid.q.reshape(out, -1, grid.group).astype(np.int16) * sign[:, :, None]
-    clipped = int((signed > 7).sum())
+    checkpoint = np.ascontiguousarray(signed.reshape(out, -1).T)
     q = np.clip(signed, -8, 7).astype(np.int8).reshape(out, -1)
     magnitude = np.abs(grid.scale).astype(np.float32)
     if not scheme.blockwise:
-        return np.ascontiguousarray(q.T), magnitude[:, 0], None, 0.0, clipped
+        return np.ascontiguousarray(q.T), magnitude[:, 0], None, 0.0, checkpoint
     per_block = np.repeat(magnitude, grid.group // block, axis=1) if grid.per_channel else magnitude
     energy = (q.astype(np.float64) ** 2).reshape(out, -1, block).sum(axis=2)
     k, channel, residual = lpbq_from_group_scales(per_block.T, energy.T)
-    return np.ascontiguousarray(q.T), channel, k, residual, clipped
+    return np.ascontiguousarray(q.T), channel, k, residual, checkpoint
 
 
 def int8_channel_error(w: np.ndarray) -> np.ndarray:
@@ -301,6 +302,9 @@ class RoundedWeight:
     nsr_int4: float  # output noise-to-signal of the 4-bit weight on the calibration inputs
     nsr_int8: float  # the same for the int8 weight a mixed precision would keep instead
     kl_int4: float | None = None  # measured: next-token KL with this weight alone at 4 bits
+    # A kept checkpoint grid's own integers (in, out) under positive scales, before clipping: what
+    # the audit holds the stored integers to (None: rounded here, no checkpoint grid).
+    checkpoint_q: np.ndarray | None = None
 
     def dequantized(self) -> np.ndarray:
         if self.block_scales is None:
@@ -339,7 +343,8 @@ class WeightRounder:
 
     @property
     def kept(self) -> frozenset[str]:
-        """The weights whose checkpoint grid is kept: their integers are the checkpoint's."""
+        """The weights whose checkpoint grid is kept: their integers are the checkpoint's, except in an
+        output channel where a +8 had to be clipped (`_keep_grid`: GPTQ moves that channel's)."""
         return frozenset(n for n, g in self.grids.items() if g["kept"])
 
     @property
@@ -416,8 +421,9 @@ class WeightRounder:
 
         scheme, hessian = expected_scheme(self.cfg, name), self.hessians.get(name)
         kept = self._keep_grid(name, w, scheme) if not search else None
+        checkpoint = None
         if kept is not None:
-            q, scale, block_scales = kept
+            q, scale, block_scales, checkpoint = kept
             dequantized = (
                 q * scale
                 if block_scales is None
@@ -437,14 +443,15 @@ class WeightRounder:
             dequantized = q * scale
         hess = hessian or Hessian(np.ones(w.shape[0], np.float32))
         error4, error8 = output_errors(w, [dequantized, w + int8_channel_error(w)], hess)
-        self.rounded[name] = RoundedWeight(q, scale, block_scales, w.size, error4, error8)
+        self.rounded[name] = RoundedWeight(q, scale, block_scales, w.size, error4, error8, None, checkpoint)
         return self.rounded[name]
 
     def _keep_grid(
         self, name: str, w: np.ndarray, scheme
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray] | None:
         """The weight's checkpoint grid in its scheme, where it sits on one and the scheme can keep it
-        (recorded in `grids` either way); None to round it as any other weight."""
+        (recorded in `grids` either way): (q, scale, block scales, the checkpoint's integers); None to
+        round it as any other weight."""
         if name in self.carried:
             meta, scales = self.carried[name]
             try:
@@ -476,19 +483,21 @@ class WeightRounder:
             if name in self.given_int8:
                 entry["stored"] = "int8 per channel, as the checkpoint gives it 8 bits"
             return None
-        q, scale, block_scales, residual, clipped = kept
-        entry.update(scale_residual=round(residual, 6), clipped=clipped)
+        q, scale, block_scales, residual, checkpoint = kept
+        clipped_columns = (checkpoint > 7).any(axis=0)
+        entry.update(scale_residual=round(residual, 6), clipped=int((checkpoint > 7).sum()))
         hessian = self.hessians.get(name)
-        if clipped and hessian is not None:
+        if clipped_columns.any() and hessian is not None:
             # The clipped values (Q4_0's +8 under a negative scale; v69 takes neither negative weight
             # scales nor int4 zero points, docs/stages/quantize.md) move their output error onto the
-            # integers after them: GPTQ under the grid's own scales, which leaves every other integer
-            # where it was until the first clipped one.
+            # other integers of their output channel: GPTQ under the grid's own scales. Only those
+            # channels take its integers (elsewhere it would also zero the rows of inputs the
+            # calibration never saw): every other channel keeps the checkpoint's exactly.
             scales = scale[None, :] if block_scales is None else block_scales * scale
-            compensated = gptq(w, hessian, scales)
+            compensated = np.where(clipped_columns[None, :], gptq(w, hessian, scales), q)
             entry["integers_moved"] = int((compensated != q).sum())
             q = compensated
-        return q, scale, block_scales
+        return q, scale, block_scales, checkpoint
 
     def choose_int8(self, share: float) -> frozenset[str]:
         """The decoder weights kept at int8: the most measured cost (next-token KL at 4 bits; where

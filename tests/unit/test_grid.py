@@ -149,3 +149,36 @@ def test_the_bench_q4_0_weights_are_on_a_grid_find_grid_reads_back():
     assert grid is not None and (grid.bits, grid.group) == (4, 32)
     assert (grid.scale < 0).any() and (grid.scale > 0).any()
     assert grid.rel_rms_error < 0.01
+
+
+def test_a_kept_q4_0_grid_moves_only_the_channels_whose_plus_8_was_clipped_and_the_audit_says_so():
+    """With a Hessian, the clipped +8s' error is carried by GPTQ, in their own output channels only:
+    every other channel keeps the checkpoint's integers exactly (a row of inputs the calibration never
+    saw included, which GPTQ would zero). The audit holds the stored integers to the checkpoint's own,
+    not to what the rounder wrote."""
+    from onnx import numpy_helper
+
+    from stages.model.tiny_model import q4_0
+    from stages.quant.gptq import Hessian
+    from stages.quantize.audit import _checkpoint_integers
+    from stages.quantize.weights import WeightRounder
+
+    rng = np.random.default_rng(5)
+    w = as_bf16(q4_0(torch.from_numpy(rng.normal(size=(32, 64)).astype(np.float32)), None).numpy())
+    x = rng.normal(size=(256, 64)).astype(np.float32)
+    x[:, 3] = 0  # an input the calibration never saw
+    rounder = _rounder("w4a16")
+    rounder = WeightRounder(rounder.cfg, {NAME: Hessian(x.T @ x, len(x))})
+    done = rounder.round_weight(NAME, np.ascontiguousarray(w.T))
+    clipped = (done.checkpoint_q > 7).any(axis=0)
+    assert 0 < clipped.sum() < 32
+    assert np.array_equal(done.q[:, ~clipped], done.checkpoint_q[:, ~clipped])
+    assert rounder.grids[NAME]["integers_moved"] == int((done.q != np.clip(done.checkpoint_q, -8, 7)).sum())
+    stored = numpy_helper.from_array(done.q.astype(np.int8))
+    figures, bad = _checkpoint_integers(stored, done.checkpoint_q)
+    assert bad == [] and figures["clipped_channels"] == int(clipped.sum())
+    assert figures["equal"] + figures["moved_in_clipped_channels"] == done.q.size
+    broken = done.q.copy()
+    broken[0, np.flatnonzero(~clipped)[0]] += 1
+    _, bad = _checkpoint_integers(numpy_helper.from_array(broken.astype(np.int8)), done.checkpoint_q)
+    assert bad == ["1 integers differ from its checkpoint's in channels with nothing clipped"]
