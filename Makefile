@@ -245,12 +245,14 @@ BENCH_FLOORS ?= G4V69_MIN_TOP1_AGREEMENT_W8=0 G4V69_MAX_KL_DIVERGENCE_W8=1000 \
 # Random weights agree with transformers on no particular number of greedy tokens: the bench asks none
 # (verify's runtime checks, the replay on the binaries included, stand as they are).
 BENCH_VERIFY ?= VERIFY_MIN_PREFIX=0
+# A word for the results' file name beside the date, for a run that is not the preset's (a cut calibration).
+BENCH_NAME ?=
 bench: | $(call RUNNER_DEP,quant) ## E2B-size bench: every stage to verify, then ci/bench-results/<date>-<machine>.{json,md}
 	@[ -f '$(BENCH_DATASET_COPY)' ] || $(call g4v69,quant) --workdir '$(BENCH_WORKDIR)' wikitext-stand-in
 	$(BENCH_CALIBRATION) $(BENCH_FLOORS) $(MAKE) --no-print-directory verify MODEL=$(BENCH_MODEL) \
 	  WORKDIR='$(BENCH_WORKDIR)' $(BENCH_VERIFY)
-	@$(call g4v69,tools) --model $(BENCH_MODEL) --workdir '$(BENCH_WORKDIR)' bench-report \
-	  --output '$(BENCH_RESULTS)' --command '$(strip make bench BENCH_MODEL=$(BENCH_MODEL) $(BENCH_CALIBRATION))'
+	@$(call g4v69,tools) --model $(BENCH_MODEL) --workdir '$(BENCH_WORKDIR)' bench-report $(call opt,name,$(BENCH_NAME)) \
+	  --output '$(BENCH_RESULTS)' --command '$(strip make bench BENCH_MODEL=$(BENCH_MODEL) $(if $(PRECISION),PRECISION=$(PRECISION)) $(BENCH_CALIBRATION))'
 
 # Real weights under the real Genie: Gemma 3 270M's preset built and verified with every real-Genie
 # case (VERIFY_REAL_GENIE=full: the chat prompt, past and across the 512-token window, the token limit,

@@ -106,6 +106,16 @@ GEMMA3_270M_TEXT_CONFIG: dict[str, Any] = {
     "bos_token_id": 2,
 }
 
+# Google's Gemma 3 1B (pt and it) text config: 270M's family at hidden 1152, 26 layers. Its parameters
+# (999,885,952) are the count keras-hub publishes for its gemma3_1b presets.
+GEMMA3_1B_TEXT_CONFIG: dict[str, Any] = {
+    **GEMMA3_270M_TEXT_CONFIG,
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 26,
+    "layer_types": [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(26)],
+}
+
 # What a tensor is for; the planner prices each kind at its own precision.
 LINEAR = "linear"  # attention and MLP projections: weight_bits
 NORM = "norm"  # RMSNorm weights and layer scalars: activation precision
@@ -483,6 +493,8 @@ KNOWN_GEOMETRIES = {
     "gemma-3-270m-q4_k_m": GEMMA3_270M_TEXT_CONFIG,
     "google/gemma-3-270m": GEMMA3_270M_TEXT_CONFIG,
     "google/gemma-3-270m-it": GEMMA3_270M_TEXT_CONFIG,
+    "google/gemma-3-1b-pt": GEMMA3_1B_TEXT_CONFIG,
+    "google/gemma-3-1b-it": GEMMA3_1B_TEXT_CONFIG,
 }
 
 

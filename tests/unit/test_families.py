@@ -58,6 +58,19 @@ def test_gemma3_270m_geometry_is_270m_parameters_without_gemma4_parts():
     assert geo.config["global_head_dim"] == geo.config["head_dim"] == 256
 
 
+def test_gemma3_1b_is_known_before_its_download_and_fits_the_default_layout():
+    """google/gemma-3-1b-it priced by the plan with no checkpoint: 999,885,952 parameters (keras-hub's
+    count for gemma3_1b), 26 layers of which 4 global, and the default job's layout rule places it."""
+    from stages.core.config import load_config
+    from stages.planning.fitting import plan_config
+
+    geo = builtin_geometry("google/gemma-3-1b-it")
+    assert geo.total_params == 999_885_952 and geo.num_layers == 26
+    assert [layer.attention for layer in geo.layers].count(FULL) == 4
+    plan = plan_config(geo, load_config("default", {"model": "google/gemma-3-1b-it"}))
+    assert plan.parts and plan.device_bytes > 0
+
+
 def test_published_and_transformers5_configs_give_one_geometry():
     """Google's transformers-4 config (rope_theta, rope_local_base_freq) and transformers 5's
     rope_parameters are the same model."""
