@@ -195,8 +195,9 @@ def run_short(bundle_dir: Path, chat_text: str, chat_ids: list[int], new_tokens:
     finally:
         shutil.rmtree(dumps, ignore_errors=True)
     why = (
-        f"at this bundle's size the x86 HTP emulation takes minutes a call (the chat query: "
-        f"{run[1].query_s[0]:.0f} s for {new_tokens} tokens), so verify runs the chat prompt alone"
+        f"at this bundle's size each call of the x86 HTP emulation is slow (the chat query: "
+        f"{run[1].query_s[0]:.0f} s for {new_tokens} tokens), so verify runs the chat prompt alone; "
+        "VERIFY_REAL_GENIE=full runs every case"
     )
     skipped = {case: why for case in ("long", "crossing", "token limit", "second query", "own sampler")}
     return RealRuns(
