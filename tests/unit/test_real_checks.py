@@ -159,3 +159,16 @@ def test_the_runtime_comparison_stops_at_the_tokens_genie_was_asked_for():
     runs = RealRuns([(("chat",), DialogRun(answers=["ab"], statuses=[0]))], [("chat", [])], "", 2)
     _, done = compare(runs, {}, set(), decode, encode, 8, {"chat": (encode("abcdef"), [1.0] * 6)}, 0.0)
     assert [(c.verdict, c.asked, c.agreed) for c in done] == [(PASSED, 2, 2)]
+
+
+def test_ids_read_from_genies_dumps_are_compared_where_its_text_says_nothing():
+    """E2B with random weights: Genie's text is empty, the ids it picked (read from its dumps) are
+    compared with the emulator's all the same, passing or failing on them."""
+    runtime = {"chat": ([7, 8, 9, 10], [1.0] * 4)}
+    ran = DialogRun(answers=[""], statuses=[0])
+    same = RealRuns([(("chat",), ran)], [("chat", [])], "", 4, dumped_ids={"chat": [7, 8, 9, 10]})
+    _, done = compare(same, {}, set(), decode, encode, 8, runtime, 0.0)
+    assert [(c.verdict, c.asked, c.agreed) for c in done] == [(PASSED, 4, 4)]
+    other = RealRuns([(("chat",), ran)], [("chat", [])], "", 4, dumped_ids={"chat": [7, 8, 3, 10]})
+    problems, done = compare(other, {}, set(), decode, encode, 8, runtime, 0.0)
+    assert [(c.verdict, c.agreed) for c in done] == [(FAILED, 2)] and "parted at token 2" in problems[0]
