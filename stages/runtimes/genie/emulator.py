@@ -92,7 +92,7 @@ import numpy as np
 from stages.core.quiet import native_stdout_without
 from stages.model.contract import INPUTS_EMBEDS, LOGITS, LUT_INPUTS, MASK_NAME
 from stages.model.encoding import Encoding, EncodingError, LutFile, feed, feed_mode
-from stages.model.geometry import FULL
+from stages.model.geometry import FULL, SLIDING
 from stages.planning.results import CompileResult
 from stages.runtimes.genie.rules import (
     LUT_SECTION,
@@ -205,8 +205,10 @@ class Graph:
 
     @property
     def ar(self) -> int:
-        mask = MASK_NAME[FULL]
-        return self.inputs[mask].shape[-2] if mask in self.inputs else -1
+        """The tokens a call takes: the rows of its mask, the full-attention one or, in a part that
+        holds only sliding layers (E2B at w4a16: layers 0-3), the sliding window's."""
+        mask = next((MASK_NAME[k] for k in (FULL, SLIDING) if MASK_NAME[k] in self.inputs), None)
+        return self.inputs[mask].shape[-2] if mask is not None else -1
 
 
 def read_graphs(bundle_dir: Path, compiled: CompileResult) -> list[Graph]:
@@ -557,7 +559,7 @@ class GenieEmulator:
         by_ar: dict[int, list[Graph]] = {}
         for g in self.graphs:
             if g.ar < 0:
-                raise EmulatorError(f"{g.file}: graph {g.qnn_name} has no attention_mask input")
+                raise EmulatorError(f"{g.file}: graph {g.qnn_name} has no attention mask input")
             by_ar.setdefault(g.ar, []).append(g)
         writers: dict[str, Tensor] = {}
         for ar, splits in by_ar.items():
