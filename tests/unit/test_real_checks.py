@@ -172,3 +172,15 @@ def test_ids_read_from_genies_dumps_are_compared_where_its_text_says_nothing():
     other = RealRuns([(("chat",), ran)], [("chat", [])], "", 4, dumped_ids={"chat": [7, 8, 3, 10]})
     problems, done = compare(other, {}, set(), decode, encode, 8, runtime, 0.0)
     assert [(c.verdict, c.agreed) for c in done] == [(FAILED, 2)] and "parted at token 2" in problems[0]
+
+
+def test_a_part_of_sliding_layers_only_takes_its_ar_from_the_windows_mask():
+    """E2B at w4a16 puts layers 0-3 (all sliding) alone in part 1: no full-attention mask there."""
+    from stages.runtimes.genie.emulator import Graph, Tensor
+
+    def graph(*masks: str) -> Graph:
+        inputs = {m: Tensor(m, (1, 1, 32, 544), None) for m in masks}
+        return Graph("p.bin", "q", "prefill_ar32_part1_of_4", inputs, {})
+
+    assert graph("swa_attention_mask").ar == graph("attention_mask", "swa_attention_mask").ar == 32
+    assert graph().ar == -1
