@@ -95,13 +95,19 @@ class PartitionError(UserFixable, ValueError):
 
 
 def partition_layers(
-    layer_bytes: list[int], num_parts: int, first_extra: int = 0, last_extra: int = 0
+    layer_bytes: list[int],
+    num_parts: int,
+    first_extra: int = 0,
+    last_extra: int = 0,
+    anchors: list[bool] | None = None,
 ) -> list[range]:
     """Cut layers into `num_parts` contiguous runs, minimising the largest part's bytes.
 
     `first_extra` and `last_extra` are bytes that ride with the first and last part (the PLE
     projection before layer 0, the final norm and lm_head after the last layer). The largest part
-    bounds the per-context size limit and the peak memory of export and compile.
+    bounds the per-context size limit and the peak memory of export and compile. With `anchors` (one
+    flag per layer), every part holds a flagged layer where some cut allows it (`part_layers`: Genie
+    needs a full-attention layer in every part); where none does, the cut ignores them.
     """
     n = len(layer_bytes)
     if num_parts > n:
@@ -120,18 +126,29 @@ def partition_layers(
             c += last_extra
         return c
 
+    anchored = [0]
+    for a in anchors or []:
+        anchored.append(anchored[-1] + bool(a))
+    # An impossible constraint (the last option's cost) makes every cut equal: the plain minimax.
+    impossible = float("inf")
+
+    def allowed(i: int, j: int) -> bool:
+        return anchors is None or anchored[j] > anchored[i]
+
     @cache
-    def best(i: int, k: int) -> tuple[int, tuple[int, ...]]:
+    def best(i: int, k: int) -> tuple[float, tuple[int, ...]]:
         """Min over cuts of the max part cost for layers i..n-1 in k parts; returns (cost, cut points)."""
         if k == 1:
-            return cost(i, n), ()
+            return (cost(i, n) if allowed(i, n) else impossible), ()
         options = []
         for j in range(i + 1, n - k + 2):
             rest_cost, rest_cuts = best(j, k - 1)
-            options.append((max(cost(i, j), rest_cost), (j, *rest_cuts)))
+            options.append((max(cost(i, j) if allowed(i, j) else impossible, rest_cost), (j, *rest_cuts)))
         return min(options)
 
-    _, cuts = best(0, num_parts)
+    worst, cuts = best(0, num_parts)
+    if worst == impossible:
+        return partition_layers(layer_bytes, num_parts, first_extra, last_extra)
     bounds = [0, *cuts, n]
     return [range(bounds[p], bounds[p + 1]) for p in range(num_parts)]
 

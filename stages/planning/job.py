@@ -16,8 +16,8 @@ from typing import Any
 from stages.core.config import PipelineConfig
 from stages.core.precision import DECODER_ROLE, LM_HEAD_ROLE, NORM_ROLE, PLE_ROLE, WeightScheme
 from stages.core.soc import Soc
-from stages.model.contract import GraphSpec, graph_specs
-from stages.model.geometry import EMBEDDING, LINEAR, NORM, PLE, Geometry, Tensor
+from stages.model.contract import GraphSpec, graph_specs, window_cache
+from stages.model.geometry import EMBEDDING, FULL, LINEAR, NORM, PLE, Geometry, Tensor
 from stages.model.graphs import (
     CALIBRATION_ROLE,
     Binary,
@@ -50,13 +50,20 @@ def part_extras(geo: Geometry) -> tuple[list[Tensor], list[Tensor]]:
 
 
 def part_layers(geo: Geometry, cfg: PipelineConfig) -> list[range]:
-    """The decoder layers of each part, balanced by weight bytes at the config's precision.
+    """The decoder layers of each part, balanced by weight bytes at the config's precision, each part
+    holding a full-attention layer where the split allows it: with window-sized caches (Gemma 4) a part
+    of sliding layers alone takes no `attention_mask`, and QAIRT 2.51's Genie then cannot tell the
+    context length ("Couldn't determine context length from tensors", then stoi: out of range; E2B
+    at w4a16 cut layers 0-3 into part 1). The bundle stage refuses what is left (`rules`).
 
     The job's parts: export cuts its graphs here, and the plan prices the same job.
     """
     head, tail = part_extras(geo)
     layer_bytes = [tensor_bytes(list(layer.tensors), cfg) for layer in geo.layers]
-    return partition_layers(layer_bytes, cfg.num_shards, tensor_bytes(head, cfg), tensor_bytes(tail, cfg))
+    anchors = [layer.attention == FULL for layer in geo.layers] if window_cache(geo) else None
+    return partition_layers(
+        layer_bytes, cfg.num_shards, tensor_bytes(head, cfg), tensor_bytes(tail, cfg), anchors
+    )
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,36 @@ def test_partition_is_optimal_against_brute_force():
         assert cost == best and len(got) == k
 
 
+def test_with_anchors_every_part_holds_one_and_the_cut_is_the_best_such():
+    """Genie needs a full-attention layer in every part (window-cache layout): among the cuts that give
+    each part one, the minimax one; where no cut can, the plain minimax."""
+    sizes = [5, 1, 9, 3, 3, 8, 2, 7]
+    anchors = [False, False, True, False, False, True, False, True]
+    for k in range(1, 4):
+        got = partition_layers(sizes, k, anchors=anchors)
+        assert all(any(anchors[i] for i in r) for r in got)
+        best = min(
+            max(sum(sizes[a:b]) for a, b in zip((0, *cuts), (*cuts, len(sizes)), strict=True))
+            for cuts in itertools.combinations(range(1, len(sizes)), k - 1)
+            if all(any(anchors[a:b]) for a, b in zip((0, *cuts), (*cuts, len(sizes)), strict=True))
+        )
+        assert max(sum(sizes[r.start : r.stop]) for r in got) == best
+    assert partition_layers(sizes, 4, anchors=anchors) == partition_layers(sizes, 4)
+
+
+def test_e2b_parts_each_hold_a_full_attention_layer_at_every_precision():
+    """E2B at w4a16 once cut layers 0-3 (all sliding) into part 1, which the real Genie refused to load;
+    the default's cut is unchanged."""
+    from stages.planning.job import part_layers
+
+    geo = e2b_geometry()
+    for precision in ("w4a16", "w4a16-mixed", "w8a16", "w4a16-lpbq"):
+        parts = part_layers(geo, original(precision=precision))
+        assert all(any(geo.layers[i].attention == FULL for i in r) for r in parts), precision
+    # the default job (w4a16-mixed): the cut of every bench run so far
+    assert part_layers(geo, load_config()) == [range(0, 15), range(15, 24), range(24, 33), range(33, 35)]
+
+
 def test_more_shards_than_layers_is_an_error():
     with pytest.raises(PartitionError, match="allowed values: 1..3"):
         partition_layers([1, 2, 3], 4)

@@ -184,3 +184,11 @@ def test_a_part_of_sliding_layers_only_takes_its_ar_from_the_windows_mask():
 
     assert graph("swa_attention_mask").ar == graph("attention_mask", "swa_attention_mask").ar == 32
     assert graph().ar == -1
+
+
+def test_a_graph_without_the_full_attention_mask_is_refused_for_genie():
+    from stages.runtimes.genie.rules import context_length_problems
+
+    io = {"p1": {"inputs": {"swa_attention_mask": {}}}, "p2": {"inputs": {"attention_mask": {}}}}
+    (problem,) = context_length_problems(io, "attention_mask")
+    assert problem.startswith("graph p1 takes no attention_mask") and "NUM_SHARDS" in problem

@@ -49,6 +49,7 @@ from stages.runtimes.genie.files import GENIE_CONFIG, HTP_EXT_CONFIG, MANIFEST, 
 from stages.runtimes.genie.rules import (
     LUT_DATATYPES,
     LUT_SECTION,
+    context_length_problems,
     dialog_context_size,
     lut_problems,
     sampler_problems,
@@ -553,6 +554,7 @@ def _check_configs(
     ]
     problems += consistency_errors(genie, files, io, Checkpoint(checkpoint_dir).geometry)
     problems += sliding_mask_problems(genie["dialog"])
+    problems += context_length_problems(io, MASK_NAME[FULL])
     if not problems:
         problems += genie_validator_errors(genie)
     if problems:

@@ -169,3 +169,19 @@ def sliding_mask_problems(dialog: dict) -> list[str]:
         "come from another layout)"
         for prefix in sliding
     ]
+
+
+def context_length_problems(io: dict[str, dict[str, dict]], mask: str) -> list[str]:
+    """Graphs Genie cannot size: QAIRT 2.51's libGenie.so reads a graph's context length from its
+    full-attention mask; a graph without one (a part of sliding layers alone, in the window-cache
+    layout) fails the load ("Couldn't determine context length from tensors. Attempting to parse
+    context length from graph name", then `stoi: out of range`, status -1). Measured on E2B at
+    PRECISION=w4a16 (2026-12-07), whose split then put layers 0-3 alone in part 1. `mask`: the
+    full-attention mask's name (the contract's)."""
+    return [
+        f"graph {graph} takes no {mask}: QAIRT 2.51's Genie cannot tell its context length and refuses "
+        "the bundle (docs/facts.md §3 (m)); every part needs a full-attention layer: choose NUM_SHARDS so "
+        "that each part can hold one"
+        for graph, g in io.items()
+        if mask not in g["inputs"]
+    ]
