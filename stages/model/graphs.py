@@ -129,7 +129,8 @@ def partition_layers(
     anchored = [0]
     for a in anchors or []:
         anchored.append(anchored[-1] + bool(a))
-    # An impossible constraint (the last option's cost) makes every cut equal: the plain minimax.
+    # A part without an anchor costs infinitely; if every cut has one, no cut can satisfy the anchors,
+    # and the plain minimax is taken instead (below).
     impossible = float("inf")
 
     def allowed(i: int, j: int) -> bool:
