@@ -257,7 +257,8 @@ bench: | $(call RUNNER_DEP,quant) ## E2B-size bench: every stage to verify, then
 # Real weights under the real Genie: Gemma 3 270M's preset built and verified with every real-Genie
 # case (VERIFY_REAL_GENIE=full: the chat prompt, past and across the 512-token window, the token limit,
 # a second query, its own sampler), each answer at verify's slow-size token count, the own sampler
-# capped there (about 25 s a call on the x86 emulation here, so a full context would take hours).
+# from a prompt 4-8 tokens short of a full context, which it must meet (about 25 s a call on the x86
+# emulation here: the 2,000-token prompt is about half of the run).
 BENCH_270M_WORKDIR ?= $(BENCH_WORKDIR)/gemma3-270m
 bench-270m: | $(call RUNNER_DEP,quant) ## Gemma 3 270M: bundle, verify with every real-Genie case, then ci/bench-results/<date>-gemma3-270m-<machine>.{json,md}
 	$(MAKE) --no-print-directory verify PRESET=gemma3-270m WORKDIR='$(BENCH_270M_WORKDIR)' VERIFY_REAL_GENIE=full

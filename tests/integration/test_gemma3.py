@@ -190,7 +190,8 @@ def test_verify_holds_the_real_genie_to_the_host_and_transformers(bundle):
 def test_verify_real_genie_full_runs_every_case_on_the_cpu_engine(bundle):
     """VERIFY_REAL_GENIE=full, the bench's choice for the sizes whose verify runs the short query
     alone: every case runs and is compared, with the emulator on the ctx-bins' compiler inputs, at
-    the slow sizes' token count (the own sampler capped there, and saying so). The short query's ids
+    the slow sizes' token count (the own sampler from a prompt near a full context there, which it
+    meets). The short query's ids
     are read from Genie's own dumps and equal its text's."""
     from stages.model.chat import ChatTokenizer
     from stages.runtimes.genie.verify import SLOW_QUERY_TOKENS, run_verify
@@ -212,7 +213,11 @@ def test_verify_real_genie_full_runs_every_case_on_the_cpu_engine(bundle):
     assert real["not_run"] == {} and set(real["statuses"]) >= cases
     assert {c["case"] for c in real["comparisons"]} >= cases
     assert {c["verdict"] for c in real["comparisons"]} == {"passed"}
-    assert real["own_sampler_cap"] == SLOW_QUERY_TOKENS
+    genie = json.loads((work / "genie_bundle" / "genie_config.json").read_text())
+    context = genie["dialog"]["context"]["size"]
+    assert context - 2 * SLOW_QUERY_TOKENS <= real["own_sampler_prompt_tokens"] <= context - SLOW_QUERY_TOKENS
+    own = next(c for c in real["comparisons"] if c["case"] == "own sampler")
+    assert real["statuses"]["own sampler"] > 0 and "ended by a full context" in own["why"], own
 
 
 def test_the_real_genie_feeds_every_call_as_the_emulator_across_the_window(bundle, tmp_path):

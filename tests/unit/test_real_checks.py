@@ -106,11 +106,31 @@ def test_the_sampled_reply_is_held_to_ending_by_itself():
     assert _own_sampler_end(0, "abc", encode).verdict == PASSED
     assert "full context (status 4)" in _own_sampler_end(4, "abc", encode).why
     assert _own_sampler_end(0, "", encode).verdict == FAILED
-    # Capped (each call too slow for a full context): it says its end was not reached.
-    capped = _own_sampler_end(0, "abcd", encode, cap=4)
-    assert (
-        capped.verdict == PASSED and capped.against == "its cap of 4 tokens" and "not reached" in capped.why
-    )
+    # From a prompt cut near a full context (each call slow): the verdict names that prompt.
+    near = _own_sampler_end(4, "abcd", encode, prompt_tokens=2012)
+    assert near.verdict == PASSED and "after a 2012-token prompt, ended by a full context" in near.why
+
+
+def test_the_own_samplers_prompt_ends_near_a_full_context_where_calls_are_slow(monkeypatch, tmp_path):
+    """With `own_sampler_room` the sampled reply starts room..2*room tokens short of context.size, so
+    it meets the full context within a few decode steps; the prompt re-tokenizes to exactly its ids."""
+    from stages.runtimes.genie import real_checks
+
+    asked = []
+
+    def fake_dialog(bundle_dir, queries, log, sampler=None, *a, **k):
+        asked.append(queries)
+        n = len(queries)
+        return DialogRun(answers=["x"] * n, statuses=[0] * n, query_s=[0.0] * n, log=log)
+
+    monkeypatch.setattr(real_checks, "run_dialog", fake_dialog)
+    args = ("the cat sat", "the cat sat", "ok", [0, *encode("the cat sat")], encode, decode, 0, 8, 8, 4, 100)
+    runs = real_checks.run_cases(tmp_path, *args, tmp_path, own_sampler_room=4)
+    own = asked[-1][0]
+    n = runs.own_sampler_prompt_tokens
+    assert 92 <= n <= 96 and len(encode(own.text)) + 1 == n and own.max_new_tokens == 100
+    assert real_checks.run_cases(tmp_path, *args, tmp_path).own_sampler_prompt_tokens is None
+    assert asked[-1][0].text == "the cat sat"
 
 
 def test_the_crossing_prompt_ends_before_the_window_and_its_answer_crosses_it():

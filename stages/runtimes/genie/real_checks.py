@@ -10,8 +10,9 @@
   and absent from the report, when the two turns do not fit the context);
 - `own sampler`: the bundle's own sampler config with no token limit, so the reply ends at EOS or at
   a full context: a clean stop (status >= 0: Genie's context warning is not an error). Where each
-  call takes many seconds (the x86 emulation of a real-size bundle), a full context would take hours:
-  the reply is then capped, and the comparison says its end was not reached.
+  call takes many seconds (the x86 emulation of a real-size bundle), sampling from the chat prompt to
+  a full context would take hours: its prompt is then the raw prompt repeated to end a few tokens
+  short of the context, so the reply meets the full context within a few decode steps.
 
 The greedy answers are compared afterwards (compare()) in token ids, never as text: the chat answer
 with transformers' greedy ids, the long ones with the emulator's on the same binaries. Genie answers
@@ -50,7 +51,8 @@ class RealRuns:
     new_tokens: int  # the greedy answers' token limit
     comparisons: list[Comparison] = field(default_factory=list)  # compare()'s, once made
     not_run: dict[str, str] = field(default_factory=dict)  # case -> why it did not run
-    own_sampler_cap: int | None = None  # the sampled reply's token cap (None: none, it ends by itself)
+    # The own sampler's prompt length where it is cut to end near a full context (None: the chat prompt).
+    own_sampler_prompt_tokens: int | None = None
     dumped_ids: dict[str, list[int]] = field(default_factory=dict)  # case -> ids read from Genie's dumps
     dumps_unread: dict[str, str] = field(default_factory=dict)  # case -> why its dumps could not be read
 
@@ -73,7 +75,7 @@ class RealRuns:
             "peak_rss_bytes": max(run.peak_rss_bytes for _, run in self.runs),
             "comparisons": [c.to_dict() for c in self.comparisons],
             "not_run": self.not_run,
-            "own_sampler_cap": self.own_sampler_cap,
+            "own_sampler_prompt_tokens": self.own_sampler_prompt_tokens,
             # Where each compared case's ids come from: Genie's dumps, else its text re-tokenized.
             "ids_from_dumps": self.dumped_ids,
             "dumps_unread": self.dumps_unread,
@@ -88,23 +90,31 @@ def long_prompt_ids(encode, bos: int, text: str, over: int) -> tuple[str, list[i
     return words, [bos, *encode(words)]
 
 
-def crossing_prompt_ids(
-    encode, decode, bos: int, text: str, window: int, new_tokens: int
+def cut_prompt_ids(
+    encode, decode, bos: int, text: str, longest: int, shortest: int
 ) -> tuple[str, list[int]] | None:
-    """`text` repeated and cut so that Genie's query (bos, then the text) ends before the sliding window
-    and the greedy answer's decode steps cross it: the query's ids fill positions 0..L-1 and the
-    answer's first new_tokens - 1 ids are fed at L, L+1, ..., so L <= window - 1 and
-    L + new_tokens - 2 >= window. The longest such cut whose text re-tokenizes to exactly its ids (what
-    Genie reads), or None when none does (or the answer is too short to cross: under 3 tokens)."""
-    if window < 2 or new_tokens < 3:
-        return None
-    words, _ = long_prompt_ids(encode, bos, text, window)
+    """`text` repeated and cut so that Genie's query (bos, then the text) holds between `shortest` and
+    `longest` ids: the longest such cut whose text re-tokenizes to exactly its ids (what Genie reads),
+    or None when none does."""
+    words, _ = long_prompt_ids(encode, bos, text, longest)
     ids = encode(words)
-    for length in range(window - 1, max(2, window - new_tokens + 2) - 1, -1):
+    for length in range(longest, max(2, shortest) - 1, -1):
         cut = decode(ids[: length - 1])
         if cut and encode(cut) == ids[: length - 1]:
             return cut, [bos, *ids[: length - 1]]
     return None
+
+
+def crossing_prompt_ids(
+    encode, decode, bos: int, text: str, window: int, new_tokens: int
+) -> tuple[str, list[int]] | None:
+    """The prompt cut (cut_prompt_ids) to end before the sliding window so that the greedy answer's
+    decode steps cross it: the query's ids fill positions 0..L-1 and the answer's first new_tokens - 1
+    ids are fed at L, L+1, ..., so L <= window - 1 and L + new_tokens - 2 >= window. None where no
+    cut re-tokenizes exactly, or the answer is too short to cross (under 3 tokens)."""
+    if window < 2 or new_tokens < 3:
+        return None
+    return cut_prompt_ids(encode, decode, bos, text, window - 1, window - new_tokens + 2)
 
 
 def _checked(names: tuple[str, ...], run: DialogRun) -> tuple[tuple[str, ...], DialogRun]:
@@ -138,10 +148,12 @@ def run_cases(
     max_new_tokens: int,
     context_size: int,
     logs: Path,
-    own_sampler_cap: int | None = None,
+    own_sampler_room: int | None = None,
 ) -> RealRuns:
-    """Every case, in two dialogs (greedy, then the bundle's own sampler). `own_sampler_cap` caps the
-    sampled reply (None: no cap, so it runs to EOS or a full context)."""
+    """Every case, in two dialogs (greedy, then the bundle's own sampler). The sampled reply has no
+    token limit, so it runs to EOS or a full context: from the chat prompt, or where `own_sampler_room`
+    is given (each call slow), from the raw prompt cut to end `own_sampler_room` to twice that many
+    tokens short of `context_size`."""
     long_text, long_ids = long_prompt_ids(encode, bos, raw_prompt, past_window)
     crossing = crossing_prompt_ids(encode, decode, bos, raw_prompt, window, max_new_tokens)
     # The second turn follows the token-limit reply in the same dialog, when both turns fit the context.
@@ -155,7 +167,18 @@ def run_cases(
     ]
     names = ("chat", "long", *(("crossing",) if crossing else ()), "token limit")
     names += ("second query",) if second else ()
-    own = [Query(chat_text, own_sampler_cap or context_size, reset_before=True)]
+    room = own_sampler_room or 0
+    near_full = (
+        cut_prompt_ids(encode, decode, bos, raw_prompt, context_size - room, context_size - 2 * room)
+        if room
+        else None
+    )
+    if own_sampler_room and near_full is None:
+        raise RealGenieError(
+            f"no cut of the prompt {raw_prompt!r} ending within {2 * own_sampler_room} tokens of "
+            f"context.size {context_size} re-tokenizes exactly; try another VERIFY_PROMPT"
+        )
+    own = [Query(near_full[0] if near_full else chat_text, context_size, reset_before=True)]
     runs = [
         _checked(names, run_dialog(bundle_dir, greedy, logs / "genie-greedy.log", sampler=GREEDY)),
         _checked(("own sampler",), run_dialog(bundle_dir, own, logs / "genie-sampled.log")),
@@ -173,7 +196,14 @@ def run_cases(
             else f"no sliding window to cross in {max_new_tokens} tokens"
         )
     cases = [("chat", chat_ids), ("long", long_ids), *([("crossing", crossing[1])] if crossing else [])]
-    return RealRuns(runs, cases, chat_text, max_new_tokens, not_run=not_run, own_sampler_cap=own_sampler_cap)
+    return RealRuns(
+        runs,
+        cases,
+        chat_text,
+        max_new_tokens,
+        not_run=not_run,
+        own_sampler_prompt_tokens=len(near_full[1]) if near_full else None,
+    )
 
 
 def run_short(bundle_dir: Path, chat_text: str, chat_ids: list[int], new_tokens: int, logs: Path) -> RealRuns:
@@ -417,29 +447,21 @@ def compare(
             problems.append(f"the real Genie gave no answer to the {case!r} query")
     if "own sampler" in answers:
         status = runs.per_case("statuses")["own sampler"]
-        done.append(_own_sampler_end(status, answers["own sampler"], encode, runs.own_sampler_cap))
+        done.append(_own_sampler_end(status, answers["own sampler"], encode, runs.own_sampler_prompt_tokens))
     return problems, done
 
 
-def _own_sampler_end(status: int, answer: str, encode, cap: int | None = None) -> Comparison:
+def _own_sampler_end(status: int, answer: str, encode, prompt_tokens: int | None = None) -> Comparison:
     """The sampled reply, with no token limit, must end by itself: at an EOS token (status 0) or at a
     full context (Genie's clean stop, a positive warning status). Its tokens are sampled, so nothing is
-    compared with a reference; how it ended is what is checked. Under a `cap` (each call too slow to
-    reach a full context), only that it answered and stopped cleanly is: the verdict says so."""
+    compared with a reference; how it ended is what is checked. `prompt_tokens`: the length of a prompt
+    cut to end near a full context, named in the verdict (None: the chat prompt)."""
     n = len(encode(answer))
     if not answer:
         return Comparison("own sampler", "its own end", 1, 0, FAILED, "no answer")
-    if cap is not None:
-        return Comparison(
-            "own sampler",
-            f"its cap of {cap} tokens",
-            1,
-            1,
-            PASSED,
-            f"{n} ids, status {status}; capped, so its end at EOS or a full context was not reached",
-        )
     how = "an EOS token (status 0)" if status == 0 else f"a full context (status {status})"
-    return Comparison("own sampler", "its own end", 1, 1, PASSED, f"{n} ids, ended by {how}")
+    after = f" after a {prompt_tokens}-token prompt" if prompt_tokens else ""
+    return Comparison("own sampler", "its own end", 1, 1, PASSED, f"{n} ids{after}, ended by {how}")
 
 
 __all__ = ["Comparison", "RealGenieError", "RealRuns", "compare", "run_cases", "run_short"]

@@ -394,7 +394,8 @@ def _run_real_genie(
     every case with the htp engine (the tiny presets) or when `all_cases` asks (VERIFY_REAL_GENIE=full,
     the bench), the chat prompt alone with the others (E2B geometry, Gemma 3 270M). With those, where
     each call of the x86 emulation takes seconds to minutes, the greedy answers hold SLOW_QUERY_TOKENS
-    and the own sampler's reply is capped there too. Its logs go under WORKDIR/.g4v69/."""
+    and the own sampler starts that many tokens (up to twice) short of a full context. Its logs go
+    under WORKDIR/.g4v69/."""
     from stages.runtimes.genie.prompt import query_text
 
     logs = Path(workdir) / STAMP_DIR / GENIE_LOGS
@@ -416,7 +417,7 @@ def _run_real_genie(
             min(max_new_tokens, SLOW_QUERY_TOKENS) if slow else max_new_tokens,
             int(genie["context"]["size"]),
             logs,
-            own_sampler_cap=SLOW_QUERY_TOKENS if slow else None,
+            own_sampler_room=SLOW_QUERY_TOKENS if slow else None,
         )
     except RealGenieError as e:
         raise VerifyError(f"{bundle_dir}: {e}") from None
