@@ -116,10 +116,11 @@ def test_the_own_samplers_prompt_ends_near_a_full_context_where_calls_are_slow(m
     it meets the full context within a few decode steps; the prompt re-tokenizes to exactly its ids."""
     from stages.runtimes.genie import real_checks
 
-    asked = []
+    asked, timeouts = [], []
 
-    def fake_dialog(bundle_dir, queries, log, sampler=None, *a, **k):
+    def fake_dialog(bundle_dir, queries, log, sampler=None, timeout_s=1800, dump_dir=None):
         asked.append(queries)
+        timeouts.append(timeout_s)
         n = len(queries)
         return DialogRun(answers=["x"] * n, statuses=[0] * n, query_s=[0.0] * n, log=log)
 
@@ -131,6 +132,29 @@ def test_the_own_samplers_prompt_ends_near_a_full_context_where_calls_are_slow(m
     assert 92 <= n <= 96 and len(encode(own.text)) + 1 == n and own.max_new_tokens == 100
     assert real_checks.run_cases(tmp_path, *args, tmp_path).own_sampler_prompt_tokens is None
     assert asked[-1][0].text == "the cat sat"
+    assert timeouts == [1800] * 4
+
+
+def test_a_slow_dialogs_hang_guard_grows_with_the_calls_it_may_take(monkeypatch, tmp_path):
+    """Where each call is slow the timeout is 1,800 s plus per_call_s for every AR chunk of each prompt
+    and every reply token: a flat 1,800 s cut 270M's greedy dialog (~50 calls of ~24 s) short."""
+    from stages.runtimes.genie import real_checks
+
+    assert real_checks._dialog_timeout_s([(100, 4), (3, 2)], 32, None) == 1800
+    assert real_checks._dialog_timeout_s([(100, 4), (3, 2)], 32, 10.0) == 1800 + (4 + 4 + 1 + 2) * 10.0
+    timeouts = []
+
+    def fake_dialog(bundle_dir, queries, log, sampler=None, timeout_s=1800, dump_dir=None):
+        timeouts.append(timeout_s)
+        n = len(queries)
+        return DialogRun(answers=["x"] * n, statuses=[0] * n, query_s=[0.0] * n, log=log)
+
+    monkeypatch.setattr(real_checks, "run_dialog", fake_dialog)
+    args = ("the cat sat", "the cat sat", "ok", [0, *encode("the cat sat")], encode, decode, 0, 8, 8, 4, 100)
+    real_checks.run_cases(tmp_path, *args, tmp_path, own_sampler_room=4, per_call_s=10.0, ar=4)
+    greedy, own = timeouts
+    # own: a prompt of 92..96 tokens in AR-4 chunks, then up to 9 decode steps.
+    assert 1800 + (23 + 9) * 10 <= own <= 1800 + (24 + 9) * 10 and greedy > 1800 + 20 * 10
 
 
 def test_the_crossing_prompt_ends_before_the_window_and_its_answer_crosses_it():

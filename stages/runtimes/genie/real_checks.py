@@ -26,12 +26,14 @@ re-tokenize exactly) is reported as not checked, never as passed."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stages.runtimes.genie.dumps import DumpError, bundle_greedy_ids
+from stages.runtimes.genie.files import GENIE_CONFIG
 from stages.runtimes.genie.real import GREEDY, DialogRun, Query, RealGenieError, run_dialog
 
 # Tokens of the short reply the token-limit case asks for.
@@ -39,6 +41,29 @@ LIMIT_TOKENS = 3
 # run_short's bound: at E2B the x86 HTP emulation reads 120-350 s per GB of weights (docs/verification.md),
 # so a prefill call and a decode step over ~5 GB of binaries may take up to an hour.
 SHORT_TIMEOUT_S = 3 * 3600
+# A dialog's hang guard where each call is slow: this many seconds a call per GB of ctx-bins (twice the
+# slowest rate measured, for a shared machine), for every prefill chunk and decode step its queries
+# may take, on top of run_dialog's 1,800 s. Gemma 3 270M (0.27 GB) measured about 24 s a call, and its
+# greedy dialog under VERIFY_REAL_GENIE=full (~50 calls) overran a flat 1,800 s while the machine was
+# shared.
+GUARD_S_PER_CALL_GB = 700
+DIALOG_TIMEOUT_S = 1800
+
+
+def call_guard_s(bundle_dir: Path) -> float:
+    """The hang guard's seconds a call for this bundle (GUARD_S_PER_CALL_GB x its ctx-bins' GB)."""
+    dialog = json.loads((bundle_dir / GENIE_CONFIG).read_text())["dialog"]
+    names = dialog["engine"]["model"]["binary"]["ctx-bins"]
+    return GUARD_S_PER_CALL_GB * sum((bundle_dir / n).stat().st_size for n in names) / 1e9
+
+
+def _dialog_timeout_s(prompts_and_replies: list[tuple[int, int]], ar: int, per_call_s: float | None) -> float:
+    """run_dialog's timeout: DIALOG_TIMEOUT_S, plus per_call_s for each call the queries may take (a
+    prompt of n tokens in ceil(n / ar) chunks, then a decode step a reply token)."""
+    if per_call_s is None:
+        return DIALOG_TIMEOUT_S
+    calls = sum(-(-n // ar) + reply for n, reply in prompts_and_replies)
+    return DIALOG_TIMEOUT_S + calls * per_call_s
 
 
 @dataclass
@@ -149,11 +174,14 @@ def run_cases(
     context_size: int,
     logs: Path,
     own_sampler_room: int | None = None,
+    per_call_s: float | None = None,
+    ar: int = 1,
 ) -> RealRuns:
     """Every case, in two dialogs (greedy, then the bundle's own sampler). The sampled reply has no
     token limit, so it runs to EOS or a full context: from the chat prompt, or where `own_sampler_room`
     is given (each call slow), from the raw prompt cut to end `own_sampler_room` to twice that many
-    tokens short of `context_size`."""
+    tokens short of `context_size`. `per_call_s` (the slow sizes: call_guard_s) lengthens each
+    dialog's hang guard by that much for every call of AR-`ar` chunks and decode steps it may take."""
     long_text, long_ids = long_prompt_ids(encode, bos, raw_prompt, past_window)
     crossing = crossing_prompt_ids(encode, decode, bos, raw_prompt, window, max_new_tokens)
     # The second turn follows the token-limit reply in the same dialog, when both turns fit the context.
@@ -179,9 +207,15 @@ def run_cases(
             f"context.size {context_size} re-tokenizes exactly; try another VERIFY_PROMPT"
         )
     own = [Query(near_full[0] if near_full else chat_text, context_size, reset_before=True)]
+    greedy_s = _dialog_timeout_s(
+        [(len(encode(q.text)) + 1, q.max_new_tokens) for q in greedy], ar, per_call_s
+    )
+    own_s = _dialog_timeout_s(
+        [(len(near_full[1]), 2 * room + 1) if near_full else (len(chat_ids), context_size)], ar, per_call_s
+    )
     runs = [
-        _checked(names, run_dialog(bundle_dir, greedy, logs / "genie-greedy.log", sampler=GREEDY)),
-        _checked(("own sampler",), run_dialog(bundle_dir, own, logs / "genie-sampled.log")),
+        _checked(names, run_dialog(bundle_dir, greedy, logs / "genie-greedy.log", GREEDY, greedy_s)),
+        _checked(("own sampler",), run_dialog(bundle_dir, own, logs / "genie-sampled.log", timeout_s=own_s)),
     ]
     not_run = {}
     if not second:

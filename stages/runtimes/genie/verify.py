@@ -45,6 +45,7 @@ from stages.runtimes.genie.bundle import check_manifest, config_vs_graphs
 from stages.runtimes.genie.files import GENIE_CONFIG, MANIFEST, TOKENIZER
 from stages.runtimes.genie.real_checks import (
     RealGenieError,
+    call_guard_s,
     compare,
     leading_agreement,
     run_cases,
@@ -418,6 +419,8 @@ def _run_real_genie(
             int(genie["context"]["size"]),
             logs,
             own_sampler_room=SLOW_QUERY_TOKENS if slow else None,
+            per_call_s=call_guard_s(bundle_dir) if slow else None,
+            ar=cfg.prefill_ar,
         )
     except RealGenieError as e:
         raise VerifyError(f"{bundle_dir}: {e}") from None
