@@ -108,12 +108,16 @@ def _staged_bundle(
     return staged
 
 
+# How long one dialog may run before it is taken for hung (run_dialog's default).
+DIALOG_TIMEOUT_S = 1800
+
+
 def run_dialog(
     bundle_dir: Path,
     queries: list[Query],
     log_path: Path,
     sampler: dict[str, Any] | None = None,
-    timeout_s: float = 1800,
+    timeout_s: float = DIALOG_TIMEOUT_S,
     dump_dir: Path | None = None,
 ) -> DialogRun:
     """The queries through one Genie dialog on the bundle, in a child process; `sampler` replaces

@@ -34,7 +34,14 @@ from typing import Any
 
 from stages.runtimes.genie.dumps import DumpError, bundle_greedy_ids
 from stages.runtimes.genie.files import GENIE_CONFIG
-from stages.runtimes.genie.real import GREEDY, DialogRun, Query, RealGenieError, run_dialog
+from stages.runtimes.genie.real import (
+    DIALOG_TIMEOUT_S,
+    GREEDY,
+    DialogRun,
+    Query,
+    RealGenieError,
+    run_dialog,
+)
 
 # Tokens of the short reply the token-limit case asks for.
 LIMIT_TOKENS = 3
@@ -47,7 +54,6 @@ SHORT_TIMEOUT_S = 3 * 3600
 # greedy dialog under VERIFY_REAL_GENIE=full (~50 calls) overran a flat 1,800 s while the machine was
 # shared.
 GUARD_S_PER_CALL_GB = 700
-DIALOG_TIMEOUT_S = 1800
 
 
 def call_guard_s(bundle_dir: Path) -> float:
